@@ -1,0 +1,62 @@
+"""ExpCast: the E4M3 byte of a softmax probability, straight from its log2.
+
+An E4M3 byte read as an integer is close to ``8 * log2(value) + 56``. With every probability carrying a
+common factor 2^8 (which cancels in the softmax division), the byte of ``2^z * 256`` is
+``clamp(rne(8 z + 119.65), 0, 120)``: 119.65 = 64 + 56 + beta with beta = -0.35 centring the error.
+On the normal range (z in [-14, 0]) this equals exp-then-cast (RNE) for 79.6% of z and is never more
+than one code off. Code 120 is 0x78 = 256.0; code 0 is 0.0.
+"""
+
+import math
+
+import torch
+
+EXPCAST_BIAS = 119.65
+"""64 + 56 + beta, beta = -0.35: the code of z = 0 before rounding."""
+
+MAX_CODE = 120
+"""E4M3 0x78 = 256.0 = 2^8: the common factor every probability carries."""
+
+CODES_PER_NAT = 8.0 * math.log2(math.e)
+"""Codes per unit of natural-log score: 8 codes per octave times log2(e)."""
+
+ROUND_MAGIC = float(2**23)
+"""Added to a value in [0, 2^23) makes the FP32 rounding an RNE to an integer held in the low mantissa bits."""
+
+
+def expcast_encode(z: torch.Tensor) -> torch.Tensor:
+    """E4M3 bytes (uint8) of ``2^z * 256`` by ExpCast: ``clamp(rne(8 z + 119.65), 0, 120)``.
+
+    ``z`` is the log2 of the probability relative to the running max (z <= 0); computed in FP32.
+    """
+    codes = torch.round(z.float() * 8.0 + torch.tensor(EXPCAST_BIAS, dtype=torch.float32))
+    return codes.clamp_(0, MAX_CODE).to(torch.uint8)
+
+
+def expcast_decode(codes: torch.Tensor) -> torch.Tensor:
+    """FP32 values of E4M3 bytes (the bytes reinterpreted, not converted)."""
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"expcast_decode takes uint8 codes, got {codes.dtype}")
+    return codes.view(torch.float8_e4m3fn).float()
+
+
+def anchored_encode(raw: torch.Tensor, coef: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """Codes as the kernel's single FFMA forms them: ``clamp(rne(raw * coef + anchor), 0, 120)``.
+
+    ``anchor`` is an integer (see ``code_anchor``), so ``anchor + 2^23`` is exact in FP32 and the FMA's one
+    rounding is the RNE to an integer. The FMA is emulated in float64: the FP32 product is exact there.
+    Masked scores (-inf) give code 0.
+    """
+    y = torch.addcmul(anchor.double(), raw.double(), coef.double())
+    return torch.round(y).clamp_(0, MAX_CODE).to(torch.uint8)
+
+
+def code_anchor(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The integer code offset of a row whose running max is ``m`` and codes-per-score is ``s``.
+
+    ``rne(119.65 - s * m)`` in FP32. Anchoring the code grid to an integer lets one FFMA with the 2^23 magic
+    both scale and round; the reference point moves by less than half a code from ``m``, so the row's top
+    score encodes to 119 or 120 and never saturates.
+    """
+    bias = torch.tensor(EXPCAST_BIAS, dtype=torch.float32)
+    return torch.round(bias - (s * m))

@@ -1,0 +1,39 @@
+"""Whether the Hopper kernel can take a call: one place that names every requirement."""
+
+import functools
+import importlib.util
+
+import torch
+
+HEAD_DIM = 128
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+HOPPER = (9, 0)
+
+
+@functools.cache
+def cutlass_dsl_installed() -> bool:
+    return importlib.util.find_spec("cutlass") is not None
+
+
+@functools.cache
+def kernel_built() -> bool:
+    return importlib.util.find_spec("openvc_kernels.ops") is not None
+
+
+def kernel_unavailable_reason(q: torch.Tensor) -> str | None:
+    """None if the sm90 kernel can run attention on ``q``'s device, dtype and head dim; else why not."""
+    if q.device.type != "cuda":
+        return f"the FP8 kernel runs on CUDA devices, inputs are on {q.device}"
+    capability = torch.cuda.get_device_capability(q.device)
+    if capability != HOPPER:
+        name = torch.cuda.get_device_name(q.device)
+        return f"the FP8 kernel is built for Hopper (sm_90a); {name} is sm_{capability[0]}{capability[1]}"
+    if q.shape[-1] != HEAD_DIM:
+        return f"the FP8 kernel takes head_dim {HEAD_DIM}, got {q.shape[-1]}"
+    if q.dtype not in KERNEL_DTYPES:
+        return f"the FP8 kernel takes fp16/bf16 inputs, got {q.dtype}"
+    if not cutlass_dsl_installed():
+        return "nvidia-cutlass-dsl is not installed"
+    if not kernel_built():
+        return "this build of openvc-diffusers has no Hopper kernel yet"
+    return None

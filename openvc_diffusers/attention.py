@@ -1,0 +1,71 @@
+"""``attention(q, k, v, config)``: one attention call routed by the policy, each fallback reason logged once."""
+
+import logging
+
+import torch
+
+import openvc_kernels
+
+from .backends import run_fa4, run_reference, run_sdpa
+from .config import OpenVCConfig, load_config
+from .policy import FA4, OPENVC_KERNEL, OPENVC_REFERENCE, Call, Decision, decide
+
+logger = logging.getLogger("openvc_diffusers")
+_said: set[str] = set()
+
+REFERENCE_WARNING = (
+    "Open-VC is running its PyTorch reference (no Hopper GPU here): the numerics of the FP8 kernel, "
+    "without its speed."
+)
+
+
+def warn_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        logger.warning(message)
+
+
+def run(
+    decision: Decision,
+    config: OpenVCConfig,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    attention_backend=None,
+) -> torch.Tensor:
+    """Run a decided call on (B, S, H, D) inputs; output in q's dtype and layout."""
+    for reason in decision.reasons:
+        warn_once(f"Open-VC fallback to {decision.backend}: {reason}")
+    if decision.backend == OPENVC_KERNEL:
+        out = openvc_kernels.attention(q, k, v, repair_ratio=config.repair_ratio, window=config.window)
+        return out.to(q.dtype)
+    if decision.backend == OPENVC_REFERENCE:
+        warn_once(REFERENCE_WARNING)
+        return run_reference(q, k, v, repair_ratio=config.repair_ratio, window=config.window)
+    if decision.backend == FA4:
+        return run_fa4(q, k, v)
+    return run_sdpa(q, k, v, attn_mask=attn_mask, attention_backend=attention_backend)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    config=None,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_cross: bool | None = None,
+    layer: int | None = None,
+    step: int | None = None,
+) -> torch.Tensor:
+    """Attention on diffusers-layout ``(B, S, H, D)`` tensors through the backend the policy picks.
+
+    ``config`` is anything ``load_config`` takes. ``is_cross`` defaults to "k is not as long as q";
+    ``layer`` and ``step`` let ``bf16_layers`` / ``bf16_steps`` apply.
+    """
+    config = load_config(config)
+    if is_cross is None:
+        is_cross = k.shape[1] != q.shape[1]
+    call = Call(q, is_cross=is_cross, has_mask=attn_mask is not None, layer=layer, step=step)
+    return run(decide(config, call), config, q, k, v, attn_mask=attn_mask)

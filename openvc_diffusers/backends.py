@@ -1,0 +1,53 @@
+"""The attention backends a call can take, each with the reason it cannot take a given call.
+
+All take and return diffusers' ``(B, S, H, D)`` layout.
+"""
+
+import functools
+import importlib.util
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+import openvc_kernels
+
+FA4_DTYPES = (torch.float16, torch.bfloat16)
+FA4_MAX_HEAD_DIM = 256
+
+
+@functools.cache
+def fa4_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec("flash_attn.cute") is not None
+
+
+def fa4_unavailable_reason(q: torch.Tensor, has_mask: bool) -> str | None:
+    if not fa4_installed():
+        return "flash-attn-4 is not installed (pip install 'openvc-diffusers[fa4]')"
+    if q.device.type != "cuda":
+        return f"FlashAttention-4 needs a CUDA device, inputs are on {q.device}"
+    if torch.cuda.get_device_capability(q.device)[0] < 9:
+        return f"FlashAttention-4 needs Hopper or newer, {torch.cuda.get_device_name(q.device)} is older"
+    if q.dtype not in FA4_DTYPES:
+        return f"FlashAttention-4 takes fp16/bf16, inputs are {q.dtype}"
+    if q.shape[-1] > FA4_MAX_HEAD_DIM:
+        return f"FlashAttention-4 takes head_dim <= {FA4_MAX_HEAD_DIM}, got {q.shape[-1]}"
+    if has_mask:
+        return "FlashAttention-4 takes no attention mask"
+    return None
+
+
+def run_fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from flash_attn.cute import flash_attn_func
+
+    out = flash_attn_func(q, k, v)
+    return out[0] if isinstance(out, tuple) else out  # some releases return (out, lse)
+
+
+def run_sdpa(q, k, v, attn_mask=None, attention_backend=None) -> torch.Tensor:
+    """diffusers' own dispatch, so output is identical to the stock processors'."""
+    return dispatch_attention_fn(q, k, v, attn_mask=attn_mask, backend=attention_backend)
+
+
+def run_reference(q, k, v, *, repair_ratio: float, window: int | None) -> torch.Tensor:
+    out = openvc_kernels.reference_attention(q, k, v, repair_ratio=repair_ratio, window=window)
+    return out.to(q.dtype)

@@ -1,0 +1,181 @@
+"""Open-VC policy settings: a frozen dataclass, read from YAML and checked whenever it is built."""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+BACKENDS = ("openvc", "fa4", "sdpa")
+
+# "28-29": an inclusive range of layer or step indices.
+_RANGE = re.compile(r"\s*([0-9]+)\s*-\s*([0-9]+)\s*")
+
+
+class ConfigError(ValueError):
+    """A config key or value Open-VC cannot use; the message names the key and what is accepted."""
+
+
+@dataclass(frozen=True)
+class OpenVCConfig:
+    # Order tried for self-attention; "sdpa" must be present so every call has a backend.
+    backends: tuple[str, ...] = BACKENDS
+    # Self-attention calls with fewer query tokens than this skip the FP8 path.
+    min_tokens: int = 1024
+    # V residual repair ratio rho: fraction of tokens per head given an extra repair row.
+    repair_ratio: float = 0.005
+    # Mid-window traversal width w; None keeps plain key-block order.
+    window: int | None = 4
+    # Backend for cross-attention (text/image context).
+    cross_attention: str = "sdpa"
+    # Layer indices forced to BF16 (the backends chain without "openvc").
+    bf16_layers: frozenset[int] = frozenset()
+    # Denoising step indices (0-based) forced to BF16.
+    bf16_steps: frozenset[int] = frozenset()
+    # Ulysses sequence-parallel degree; YAML key `parallel.ulysses_degree`.
+    ulysses_degree: int = 1
+
+    def __post_init__(self):
+        # Checked here rather than in load_config, so dataclasses.replace() is validated too.
+        checked = {
+            "backends": _backends("backends", self.backends),
+            "min_tokens": _int("min_tokens", self.min_tokens, minimum=0),
+            "repair_ratio": _ratio("repair_ratio", self.repair_ratio),
+            "window": _int("window", self.window, minimum=0, none_ok=True),
+            "cross_attention": _backend("cross_attention", self.cross_attention),
+            "bf16_layers": _indices("bf16_layers", self.bf16_layers),
+            "bf16_steps": _indices("bf16_steps", self.bf16_steps),
+            "ulysses_degree": _int("parallel.ulysses_degree", self.ulysses_degree, minimum=1),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML-shaped dict: `load_config(cfg.to_dict()) == cfg`."""
+        return {
+            "backends": list(self.backends),
+            "min_tokens": self.min_tokens,
+            "repair_ratio": self.repair_ratio,
+            "window": self.window,
+            "cross_attention": self.cross_attention,
+            "bf16_layers": sorted(self.bf16_layers),
+            "bf16_steps": sorted(self.bf16_steps),
+            "parallel": {"ulysses_degree": self.ulysses_degree},
+        }
+
+
+_PARALLEL_KEYS = ("ulysses_degree",)
+_TOP_KEYS = tuple(k for k in OpenVCConfig.__dataclass_fields__ if k not in _PARALLEL_KEYS) + ("parallel",)
+# Dotted names, so a nested key written at the top level is pointed to its section.
+_ALL_KEYS = _TOP_KEYS + tuple(f"parallel.{k}" for k in _PARALLEL_KEYS)
+
+
+def load_config(source: OpenVCConfig | Mapping[str, Any] | str | os.PathLike | None = None) -> OpenVCConfig:
+    """Build a config from nothing (defaults), a config, a YAML-shaped dict, or a YAML file path."""
+    if source is None:
+        return OpenVCConfig()
+    if isinstance(source, OpenVCConfig):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return _from_mapping(_read_yaml(Path(source)))
+    if isinstance(source, Mapping):
+        return _from_mapping(source)
+    raise TypeError(f"load_config takes None, an OpenVCConfig, a dict or a YAML path, not {type(source).__name__}")
+
+
+def _read_yaml(path: Path) -> Mapping[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {str(path)!r}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{str(path)!r} is not valid YAML: {e}") from e
+    if data is None:  # an empty file means all defaults
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{str(path)!r}: expected a mapping of config keys at the top level, got {type(data).__name__}")
+    return data
+
+
+def _from_mapping(data: Mapping[str, Any]) -> OpenVCConfig:
+    _check_keys(data, _TOP_KEYS, prefix="")
+    kwargs = {k: v for k, v in data.items() if k != "parallel"}
+    if "parallel" in data:
+        parallel = data["parallel"]
+        if not isinstance(parallel, Mapping):
+            raise ConfigError(f"parallel: got {parallel!r}; expected a mapping such as {{ulysses_degree: 2}}")
+        _check_keys(parallel, _PARALLEL_KEYS, prefix="parallel.")
+        kwargs.update(parallel)
+    return OpenVCConfig(**kwargs)
+
+
+def _check_keys(data: Mapping[str, Any], known: tuple[str, ...], prefix: str):
+    for key in data:
+        if key in known:
+            continue
+        name = f"{prefix}{key}"
+        pool = _ALL_KEYS if not prefix else tuple(prefix + k for k in known)
+        close = difflib.get_close_matches(name, pool, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        where = f" under {prefix[:-1]!r}" if prefix else ""
+        raise ConfigError(f"unknown key {name!r}.{hint} Known keys{where}: {', '.join(known)}")
+
+
+def _fail(key: str, value: Any, accepted: str):
+    raise ConfigError(f"{key}: got {value!r}; expected {accepted}")
+
+
+def _int(key: str, value: Any, minimum: int, none_ok: bool = False) -> int | None:
+    if none_ok and value is None:
+        return None
+    # bool is an int subclass, but `min_tokens: true` is a mistake, not 1.
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        _fail(key, value, f"an int >= {minimum}" + (" or null" if none_ok else ""))
+    return value
+
+
+def _ratio(key: str, value: Any) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or not 0 <= value <= 0.5:
+        _fail(key, value, "a finite number in [0, 0.5]")
+    return float(value)
+
+
+def _backend(key: str, value: Any) -> str:
+    if value not in BACKENDS:
+        _fail(key, value, f"one of {', '.join(map(repr, BACKENDS))}")
+    return value
+
+
+def _backends(key: str, value: Any) -> tuple[str, ...]:
+    # A bare string would silently split into characters.
+    if not isinstance(value, (list, tuple)) or not value:
+        _fail(key, value, f"a non-empty list of {', '.join(map(repr, BACKENDS))}")
+    for name in value:
+        _backend(key, name)
+    if len(set(value)) != len(value):
+        _fail(key, value, "each backend at most once")
+    if "sdpa" not in value:
+        _fail(key, value, "a list that includes 'sdpa': it is the one backend that runs everywhere")
+    return tuple(value)
+
+
+def _indices(key: str, value: Any) -> frozenset[int]:
+    items = value if isinstance(value, (list, tuple, set, frozenset)) else [value]
+    out = set()
+    for item in items:
+        if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
+            out.add(item)
+            continue
+        m = _RANGE.fullmatch(item) if isinstance(item, str) else None
+        if m is None or int(m[1]) > int(m[2]):
+            _fail(key, item, "non-negative ints or inclusive ranges 'a-b' with a <= b, e.g. [0, 1, '28-29']")
+        out.update(range(int(m[1]), int(m[2]) + 1))
+    return frozenset(out)

@@ -1,0 +1,81 @@
+"""Which backend takes an attention call, and why: the config's chains plus what each backend can take."""
+
+from dataclasses import dataclass
+
+import torch
+
+import openvc_kernels
+
+from .backends import fa4_unavailable_reason
+from .config import OpenVCConfig
+
+OPENVC_KERNEL = "openvc"
+"""The FP8 ExpCast kernel on Hopper."""
+OPENVC_REFERENCE = "openvc-reference"
+"""The PyTorch reference of the same kernel: Open-VC numerics off the GPU, slowly."""
+FA4 = "fa4"
+SDPA = "sdpa"
+
+
+@dataclass(frozen=True)
+class Call:
+    """What the policy needs to know of one attention call."""
+
+    query: torch.Tensor
+    is_cross: bool
+    has_mask: bool = False
+    layer: int | None = None
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    backend: str
+    reasons: tuple[str, ...] = ()
+    """Why each backend before it in the chain was passed over."""
+
+
+def chain(config: OpenVCConfig, call: Call) -> tuple[tuple[str, ...], str | None]:
+    """The backends to try in order, and why Open-VC was left out of it, if it was."""
+    if call.is_cross:
+        fallbacks = tuple(b for b in config.backends if b not in ("openvc", config.cross_attention))
+        return (config.cross_attention,) + fallbacks, None
+    if call.layer is not None and call.layer in config.bf16_layers:
+        return _without_openvc(config), f"layer {call.layer} is in bf16_layers"
+    if call.step is not None and call.step in config.bf16_steps:
+        return _without_openvc(config), f"denoising step {call.step} is in bf16_steps"
+    return config.backends, None
+
+
+def _without_openvc(config: OpenVCConfig) -> tuple[str, ...]:
+    return tuple(b for b in config.backends if b != "openvc")
+
+
+def openvc_unavailable_reason(config: OpenVCConfig, call: Call) -> str | None:
+    q = call.query
+    if call.has_mask:
+        return "an attention mask was given; Open-VC takes unmasked attention"
+    if not call.is_cross and q.shape[1] < config.min_tokens:
+        return f"{q.shape[1]} query tokens < min_tokens {config.min_tokens}"
+    if q.device.type == "cpu":
+        return None  # the reference runs anywhere
+    return openvc_kernels.kernel_unavailable_reason(q)
+
+
+def decide(config: OpenVCConfig, call: Call) -> Decision:
+    backends, skipped = chain(config, call)
+    reasons = [skipped] if skipped else []
+    for name in backends:
+        if name == "openvc":
+            reason = openvc_unavailable_reason(config, call)
+            if reason is None:
+                on_cpu = call.query.device.type == "cpu"
+                return Decision(OPENVC_REFERENCE if on_cpu else OPENVC_KERNEL, tuple(reasons))
+        elif name == "fa4":
+            reason = fa4_unavailable_reason(call.query, call.has_mask)
+            if reason is None:
+                return Decision(FA4, tuple(reasons))
+        else:
+            return Decision(SDPA, tuple(reasons))
+        reasons.append(f"{name}: {reason}")
+    raise AssertionError("unreachable: the config guarantees sdpa ends every chain")

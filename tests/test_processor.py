@@ -1,0 +1,134 @@
+"""Processor routing on tiny random Wan models: which calls take which backend, and sdpa == diffusers."""
+
+import logging
+
+import pytest
+import torch
+from conftest import exact_attention, rel_l2
+from diffusers import WanTransformer3DModel
+
+import openvc_diffusers
+from openvc_diffusers import OpenVCProcessor
+from openvc_diffusers.tiny import TINY_VIDEO, tiny_wan_pipeline
+
+SELF, CROSS = "self", "cross"
+
+
+def tiny_transformer(image_dim=None) -> WanTransformer3DModel:
+    torch.manual_seed(0)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=128,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        image_dim=image_dim,
+        rope_max_seq_len=32,
+    ).eval()
+
+
+def transformer_inputs(image_dim=None):
+    inputs = dict(
+        hidden_states=torch.randn(1, 4, 2, 16, 20),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 512, 32),
+        return_dict=False,
+    )
+    if image_dim is not None:
+        inputs["encoder_hidden_states_image"] = torch.randn(1, 257, image_dim)
+    return inputs
+
+
+@pytest.mark.parametrize("image_dim", [None, 48], ids=["t2v", "i2v"])
+def test_sdpa_backend_is_identical_to_diffusers(image_dim):
+    model, inputs = tiny_transformer(image_dim), transformer_inputs(image_dim)
+    with torch.no_grad():
+        stock = model(**inputs)[0]
+        model.set_attn_processor(OpenVCProcessor({"backends": ["sdpa"]}))
+        ours = model(**inputs)[0]
+    assert torch.equal(ours, stock)
+
+
+def test_tiny_pipeline_routes_self_attention_to_openvc():
+    pipe = tiny_wan_pipeline()
+    processor = OpenVCProcessor({"min_tokens": 0})
+    pipe.transformer.set_attn_processor(processor)
+    video = pipe(prompt="a cat", num_inference_steps=2, guidance_scale=5.0, output_type="np", **TINY_VIDEO).frames
+    # 2 steps x 2 transformer calls (classifier-free guidance) x 2 layers.
+    assert processor.calls == {(SELF, "openvc-reference"): 8, (CROSS, "sdpa"): 8}
+    assert torch.isfinite(torch.as_tensor(video)).all()
+
+
+def test_openvc_output_is_close_to_bf16():
+    model, inputs = tiny_transformer(), transformer_inputs()
+    with torch.no_grad():
+        stock = model(**inputs)[0]
+        model.set_attn_processor(OpenVCProcessor({"min_tokens": 0}))
+        ours = model(**inputs)[0]
+    assert 0 < rel_l2(ours, stock) < 0.05
+
+
+def test_short_sequences_fall_back_with_a_logged_reason(caplog):
+    model, inputs = tiny_transformer(), transformer_inputs()
+    processor = OpenVCProcessor()  # min_tokens 1024 > 160 video tokens
+    model.set_attn_processor(processor)
+    with caplog.at_level(logging.WARNING, logger="openvc_diffusers"), torch.no_grad():
+        model(**inputs)
+        model(**inputs)
+    assert processor.calls == {(SELF, "sdpa"): 4, (CROSS, "sdpa"): 4}
+    messages = [r.getMessage() for r in caplog.records if "min_tokens" in r.getMessage()]
+    assert messages == ["Open-VC fallback to sdpa: openvc: 160 query tokens < min_tokens 1024"]
+
+
+def test_bf16_layers_take_the_fallback():
+    model, inputs = tiny_transformer(), transformer_inputs()
+    processor = OpenVCProcessor({"min_tokens": 0, "bf16_layers": [1]})
+    model.set_attn_processor(processor)
+    with torch.no_grad():
+        model(**inputs)
+    assert processor.calls == {(SELF, "openvc-reference"): 1, (SELF, "sdpa"): 1, (CROSS, "sdpa"): 2}
+
+
+def test_apply_tracks_steps_for_bf16_steps():
+    pipe = tiny_wan_pipeline()
+    processor = openvc_diffusers.apply(pipe, {"min_tokens": 0, "bf16_steps": [0]})
+    pipe(prompt="a cat", num_inference_steps=3, guidance_scale=5.0, output_type="latent", **TINY_VIDEO)
+    # Step 0 (2 calls x 2 layers) in BF16, steps 1 and 2 on Open-VC.
+    assert processor.calls[SELF, "sdpa"] == 4
+    assert processor.calls[SELF, "openvc-reference"] == 8
+    assert processor.step == 2
+
+
+def test_apply_rejects_unsupported_models():
+    from diffusers import UNet2DConditionModel
+
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+    )
+    with pytest.raises(ValueError, match="not supported.*supported: Wan"):
+        openvc_diffusers.apply(unet)
+
+
+def test_attention_function_on_cpu_uses_the_reference():
+    q, k, v = (torch.randn(1, 300, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+    out = openvc_diffusers.attention(q, k, v, {"min_tokens": 0, "repair_ratio": 0.0})
+    assert torch.equal(out, openvc_diffusers.backends.run_reference(q, k, v, repair_ratio=0.0, window=4))
+    assert rel_l2(out, exact_attention(q, k, v)) < 0.065
+
+
+def test_ulysses_degree_above_one_is_refused():
+    with pytest.raises(ValueError, match="ulysses_degree 2"):
+        OpenVCProcessor({"parallel": {"ulysses_degree": 2}})
