@@ -1,15 +1,65 @@
 """``apply(pipe_or_model, config)``: install Open-VC on every transformer of a pipeline, with step tracking."""
 
+from dataclasses import dataclass
+
 import torch
+from diffusers.models.attention_processor import (
+    AttnProcessor2_0,
+    CogVideoXAttnProcessor2_0,
+    MochiAttnProcessor2_0,
+)
+from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
+from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
+from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
+from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2AttnProcessor
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from .config import load_config
-from .processors import OpenVCProcessor
+from .parallel import enable_ulysses
+from .processors import (
+    CogVideoXOpenVCProcessor,
+    HunyuanVideo15OpenVCProcessor,
+    HunyuanVideoOpenVCProcessor,
+    LTXVideoOpenVCProcessor,
+    MochiOpenVCProcessor,
+    OpenVCProcessor,
+    OpenVCProcessorBase,
+)
 from .steps import StepTracker
 
-SUPPORTED_PROCESSORS = (WanAttnProcessor, OpenVCProcessor)
-SUPPORTED_MODELS = "Wan 2.1/2.2 (WanTransformer3DModel), SkyReels-V2, and models with WanAttnProcessor"
 TRANSFORMER_ATTRS = ("transformer", "transformer_2")  # Wan 2.2 A14B has a high- and a low-noise expert
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    stock: tuple[type, ...]
+    """diffusers' processors that ``processor`` mirrors and replaces."""
+    processor: type[OpenVCProcessorBase]
+    keep: tuple[type, ...] = ()
+    """Other processors in the same models, left to diffusers."""
+
+
+FAMILIES = (
+    Family("Wan 2.1/2.2 and SkyReels-V2", (WanAttnProcessor, SkyReelsV2AttnProcessor), OpenVCProcessor),
+    Family("LTX-Video", (LTXVideoAttnProcessor,), LTXVideoOpenVCProcessor),
+    # The text-token refiner's attention: 256 text tokens with a per-query mask, no video.
+    Family("HunyuanVideo", (HunyuanVideoAttnProcessor2_0,), HunyuanVideoOpenVCProcessor, keep=(AttnProcessor2_0,)),
+    Family(
+        "HunyuanVideo-1.5", (HunyuanVideo15AttnProcessor2_0,), HunyuanVideo15OpenVCProcessor, keep=(AttnProcessor2_0,)
+    ),
+    Family("CogVideoX", (CogVideoXAttnProcessor2_0,), CogVideoXOpenVCProcessor),
+    Family("Mochi", (MochiAttnProcessor2_0,), MochiOpenVCProcessor),
+)
+SUPPORTED = "; ".join(f"{f.name} ({', '.join(c.__name__ for c in f.stock)})" for f in FAMILIES)
+
+
+def _family(processor) -> Family | None:
+    # Exact types: a subclass of a stock processor may compute something else.
+    for family in FAMILIES:
+        if type(processor) in family.stock or type(processor) is family.processor:
+            return family
+    return None
 
 
 def _transformers(target) -> list[torch.nn.Module]:
@@ -21,26 +71,47 @@ def _transformers(target) -> list[torch.nn.Module]:
     return found
 
 
-def _check_supported(model: torch.nn.Module) -> None:
-    processors = getattr(model, "attn_processors", None)
-    kinds = {type(p).__name__ for p in (processors or {}).values() if not isinstance(p, SUPPORTED_PROCESSORS)}
-    if processors is None or not processors or kinds:
-        found = ", ".join(sorted(kinds)) or "no attention processors"
-        raise ValueError(f"{type(model).__name__} is not supported ({found}); supported: {SUPPORTED_MODELS}")
+def _attention_to_replace(model: torch.nn.Module) -> tuple[Family, list[torch.nn.Module]]:
+    """The model's family and the attention modules whose processor Open-VC replaces; every other attention
+    module must be one the family leaves to diffusers, so no attention is silently left out."""
+    attention = [m for m in model.modules() if getattr(m, "processor", None) is not None]
+    families = {m: _family(m.processor) for m in attention}
+    found = {f for f in families.values() if f is not None}
+    if len(found) != 1:
+        names = ", ".join(sorted({type(m.processor).__name__ for m in attention})) or "no attention processors"
+        raise ValueError(f"{type(model).__name__} is not supported ({names}); supported: {SUPPORTED}")
+    (family,) = found
+    uncovered = {type(m.processor) for m, f in families.items() if f is None} - set(family.keep)
+    if uncovered:
+        names = ", ".join(sorted(c.__name__ for c in uncovered))
+        raise ValueError(f"{type(model).__name__} is {family.name} but has attention Open-VC does not cover: {names}")
+    return family, [m for m, f in families.items() if f is family]
 
 
-def apply(target, config=None) -> OpenVCProcessor:
-    """Give every transformer of ``target`` (a pipeline or a model) one shared ``OpenVCProcessor``.
+def apply(target, config=None) -> OpenVCProcessorBase:
+    """Give the video attention of every transformer of ``target`` (a pipeline or a model) one shared Open-VC
+    processor of its family, mirroring diffusers' own; other processors are refused with ``ValueError``.
 
-    Also tracks denoising steps from the transformers' ``timestep`` so ``bf16_steps`` applies.
+    Also tracks denoising steps from the transformers' ``timestep`` so ``bf16_steps`` applies, and with
+    ``parallel.ulysses_degree > 1`` shards each transformer's sequence over the torch.distributed world.
     Returns the processor (its ``calls`` counts which backend took which calls).
     """
     models = _transformers(target)
-    for model in models:
-        _check_supported(model)
-    processor = OpenVCProcessor(load_config(config))
+    plans = [_attention_to_replace(model) for model in models]
+    families = {family for family, _ in plans}
+    if len(families) != 1:
+        raise ValueError(f"apply() takes transformers of one family, got {', '.join(sorted(f.name for f in families))}")
+    config = load_config(config)
+    processor = plans[0][0].processor(config)
     processor.step_tracker = StepTracker()
-    for model in models:
-        model.set_attn_processor(processor)
+    if config.ulysses_degree > 1:
+        processor._parallel_config = enable_ulysses(models, config.ulysses_degree)
+    for model, (_, modules) in zip(models, plans):
+        for module in modules:
+            # MochiAttention has no set_processor: its forward just calls the attribute.
+            if hasattr(module, "set_processor"):
+                module.set_processor(processor)
+            else:
+                module.processor = processor
         model.register_forward_pre_hook(processor.step_tracker, with_kwargs=True)
     return processor

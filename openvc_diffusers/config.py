@@ -77,10 +77,16 @@ _TOP_KEYS = tuple(k for k in OpenVCConfig.__dataclass_fields__ if k not in _PARA
 _ALL_KEYS = _TOP_KEYS + tuple(f"parallel.{k}" for k in _PARALLEL_KEYS)
 
 
+ENV_VAR = "OPENVC_CONFIG"
+"""Names the YAML file that ``load_config(None)`` reads instead of the defaults."""
+
+
 def load_config(source: OpenVCConfig | Mapping[str, Any] | str | os.PathLike | None = None) -> OpenVCConfig:
-    """Build a config from nothing (defaults), a config, a YAML-shaped dict, or a YAML file path."""
+    """Build a config from nothing (the file ``$OPENVC_CONFIG`` names, else the defaults), a config, a
+    YAML-shaped dict, or a YAML file path."""
     if source is None:
-        return OpenVCConfig()
+        path = os.environ.get(ENV_VAR)
+        return _from_mapping(_read_yaml(Path(path))) if path else OpenVCConfig()
     if isinstance(source, OpenVCConfig):
         return source
     if isinstance(source, (str, os.PathLike)):

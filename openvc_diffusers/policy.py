@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 import openvc_kernels
+from openvc_kernels.support import HEAD_DIM
 
 from .backends import fa4_unavailable_reason
 from .config import OpenVCConfig
@@ -53,6 +54,9 @@ def _without_openvc(config: OpenVCConfig) -> tuple[str, ...]:
 
 def openvc_unavailable_reason(config: OpenVCConfig, call: Call) -> str | None:
     q = call.query
+    if q.shape[-1] != HEAD_DIM:
+        # Checked on every device: off the GPU the reference stands in for the kernel and takes what it takes.
+        return f"head_dim {q.shape[-1]}; Open-VC takes head_dim {HEAD_DIM}"
     if call.has_mask:
         return "an attention mask was given; Open-VC takes unmasked attention"
     if not call.is_cross and q.shape[1] < config.min_tokens:

@@ -1,5 +1,7 @@
 """Denoising-step tracking from the transformer's ``timestep`` argument, for ``bf16_steps``."""
 
+import inspect
+
 import torch
 
 
@@ -15,7 +17,12 @@ class StepTracker:
         self._last: float | None = None
 
     def __call__(self, module, args, kwargs) -> None:
-        timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
+        timestep = kwargs.get("timestep")
+        if timestep is None:
+            # Passed by position: its place differs (Wan: 2nd; LTX, CogVideoX, Mochi: 3rd).
+            names = list(inspect.signature(module.forward).parameters)
+            if "timestep" in names and names.index("timestep") < len(args):
+                timestep = args[names.index("timestep")]
         if timestep is None:
             return
         value = float(torch.as_tensor(timestep).flatten()[0])

@@ -70,26 +70,7 @@ def tiny_wan_pipeline(
             latents_mean=[0.0] * _Z_DIM,
             latents_std=[1.0] * _Z_DIM,
         )
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            # The FP8 attention path only takes head dim 128, like every supported video model.
-            attention_head_dim=128,
-            in_channels=_Z_DIM,
-            out_channels=_Z_DIM,
-            text_dim=_TEXT_DIM,
-            freq_dim=32,
-            ffn_dim=64,
-            num_layers=2,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
-        )
-        # diffusers draws each block's modulation table (shift, scale, gate) as randn / sqrt(dim), which
-        # gates attention by ~0.05 and damps attention errors ~40x on their way to the output. With unit
-        # variance, 1% noise in self-attention moves the noise prediction by 0.6% rather than 0.025%.
-        for block in transformer.blocks:
-            torch.nn.init.normal_(block.scale_shift_table)
+        transformer = _tiny_transformer()
 
     # Wan 2.1's own scheduler configuration (flow matching through UniPC, shift 3.0 for 480p).
     scheduler = UniPCMultistepScheduler(
@@ -103,6 +84,53 @@ def tiny_wan_pipeline(
         scheduler=scheduler,
         transformer=_cast_parameters(transformer, dtype).to(device).eval(),
     )
+
+
+def _tiny_transformer(image_dim: int | None = None) -> WanTransformer3DModel:
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        # The FP8 attention path only takes head dim 128, like every supported video model.
+        attention_head_dim=128,
+        in_channels=_Z_DIM,
+        out_channels=_Z_DIM,
+        text_dim=_TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        image_dim=image_dim,
+        rope_max_seq_len=32,
+    )
+    # diffusers draws each block's modulation table (shift, scale, gate) as randn / sqrt(dim), which
+    # gates attention by ~0.05 and damps attention errors ~40x on their way to the output. With unit
+    # variance, 1% noise in self-attention moves the noise prediction by 0.6% rather than 0.025%.
+    for block in transformer.blocks:
+        torch.nn.init.normal_(block.scale_shift_table)
+    return transformer
+
+
+def tiny_wan_transformer(*, image_dim: int | None = None, seed: int = 0) -> WanTransformer3DModel:
+    """The tiny pipeline's transformer on its own, float32 on the CPU; ``image_dim`` adds Wan I2V's image
+    context projections."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _tiny_transformer(image_dim).eval()
+
+
+def tiny_wan_inputs(*, image_dim: int | None = None, seed: int = 0) -> dict:
+    """Random inputs for ``tiny_wan_transformer`` at ``TINY_VIDEO``'s size (2 x 8 x 10 = 160 video tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    inputs = dict(
+        hidden_states=torch.randn(1, _Z_DIM, 2, 16, 20, generator=g),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 512, _TEXT_DIM, generator=g),
+        return_dict=False,
+    )
+    if image_dim is not None:
+        inputs["encoder_hidden_states_image"] = torch.randn(1, 257, image_dim, generator=g)
+    return inputs
 
 
 def _cast_parameters(model, dtype: torch.dtype):

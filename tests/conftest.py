@@ -14,6 +14,16 @@ def fresh_seed() -> int:
     return seed
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread: tiny models' ops are too small to gain from threads, and OpenMP threads waiting on
+    each other on a busy 2-core machine make a call 10-20x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Float64 softmax attention on (B, S, H, D)."""
     q, k, v = (x.double().transpose(1, 2) for x in (q, k, v))

@@ -203,3 +203,20 @@ def test_replace_validates_and_normalises():
 def test_wrong_source_type():
     with pytest.raises(TypeError):
         load_config(42)
+
+
+def test_openvc_config_names_the_default_file(tmp_path, monkeypatch):
+    path = tmp_path / "policy.yaml"
+    path.write_text("min_tokens: 7\n")
+    monkeypatch.setenv("OPENVC_CONFIG", str(path))
+    assert load_config().min_tokens == 7
+    monkeypatch.setenv("OPENVC_CONFIG", str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="missing.yaml"):
+        load_config()
+
+
+@pytest.mark.parametrize("name", ["default", "quality", "speed", "ulysses2", "ulysses4", "ulysses8"])
+def test_shipped_configs_load(name):
+    config = load_config(Path(__file__).parents[1] / "configs" / f"{name}.yaml")
+    if name.startswith("ulysses"):
+        assert config.ulysses_degree == int(name.removeprefix("ulysses"))

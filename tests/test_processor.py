@@ -5,49 +5,17 @@ import logging
 import pytest
 import torch
 from conftest import exact_attention, rel_l2
-from diffusers import WanTransformer3DModel
 
 import openvc_diffusers
 from openvc_diffusers import OpenVCProcessor
-from openvc_diffusers.tiny import TINY_VIDEO, tiny_wan_pipeline
+from openvc_diffusers.tiny import TINY_VIDEO, tiny_wan_inputs, tiny_wan_pipeline, tiny_wan_transformer
 
 SELF, CROSS = "self", "cross"
 
 
-def tiny_transformer(image_dim=None) -> WanTransformer3DModel:
-    torch.manual_seed(0)
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=128,
-        in_channels=4,
-        out_channels=4,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=64,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        image_dim=image_dim,
-        rope_max_seq_len=32,
-    ).eval()
-
-
-def transformer_inputs(image_dim=None):
-    inputs = dict(
-        hidden_states=torch.randn(1, 4, 2, 16, 20),
-        timestep=torch.tensor([500]),
-        encoder_hidden_states=torch.randn(1, 512, 32),
-        return_dict=False,
-    )
-    if image_dim is not None:
-        inputs["encoder_hidden_states_image"] = torch.randn(1, 257, image_dim)
-    return inputs
-
-
 @pytest.mark.parametrize("image_dim", [None, 48], ids=["t2v", "i2v"])
 def test_sdpa_backend_is_identical_to_diffusers(image_dim):
-    model, inputs = tiny_transformer(image_dim), transformer_inputs(image_dim)
+    model, inputs = tiny_wan_transformer(image_dim=image_dim), tiny_wan_inputs(image_dim=image_dim)
     with torch.no_grad():
         stock = model(**inputs)[0]
         model.set_attn_processor(OpenVCProcessor({"backends": ["sdpa"]}))
@@ -66,7 +34,7 @@ def test_tiny_pipeline_routes_self_attention_to_openvc():
 
 
 def test_openvc_output_is_close_to_bf16():
-    model, inputs = tiny_transformer(), transformer_inputs()
+    model, inputs = tiny_wan_transformer(), tiny_wan_inputs()
     with torch.no_grad():
         stock = model(**inputs)[0]
         model.set_attn_processor(OpenVCProcessor({"min_tokens": 0}))
@@ -75,7 +43,7 @@ def test_openvc_output_is_close_to_bf16():
 
 
 def test_short_sequences_fall_back_with_a_logged_reason(caplog):
-    model, inputs = tiny_transformer(), transformer_inputs()
+    model, inputs = tiny_wan_transformer(), tiny_wan_inputs()
     processor = OpenVCProcessor()  # min_tokens 1024 > 160 video tokens
     model.set_attn_processor(processor)
     with caplog.at_level(logging.WARNING, logger="openvc_diffusers"), torch.no_grad():
@@ -87,7 +55,7 @@ def test_short_sequences_fall_back_with_a_logged_reason(caplog):
 
 
 def test_bf16_layers_take_the_fallback():
-    model, inputs = tiny_transformer(), transformer_inputs()
+    model, inputs = tiny_wan_transformer(), tiny_wan_inputs()
     processor = OpenVCProcessor({"min_tokens": 0, "bf16_layers": [1]})
     model.set_attn_processor(processor)
     with torch.no_grad():
@@ -127,8 +95,3 @@ def test_attention_function_on_cpu_uses_the_reference():
     out = openvc_diffusers.attention(q, k, v, {"min_tokens": 0, "repair_ratio": 0.0})
     assert torch.equal(out, openvc_diffusers.backends.run_reference(q, k, v, repair_ratio=0.0, window=4))
     assert rel_l2(out, exact_attention(q, k, v)) < 0.065
-
-
-def test_ulysses_degree_above_one_is_refused():
-    with pytest.raises(ValueError, match="ulysses_degree 2"):
-        OpenVCProcessor({"parallel": {"ulysses_degree": 2}})

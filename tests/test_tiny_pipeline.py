@@ -4,21 +4,13 @@ import torch
 
 from openvc_diffusers.tiny import TINY_VIDEO, tiny_wan_pipeline
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch):
     # Anything that tried to reach the Hugging Face hub would fail instead of downloading.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # The tiny model's ops are too small to gain from threads, and OpenMP threads waiting on each other
-    # on a busy 2-core machine make a pipeline call 10-20x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def generate(pipe, seed):

@@ -1,15 +1,10 @@
 """Open-VC for Wan-style attention: Wan 2.1/2.2 (T2V, I2V, TI2V), SkyReels-V2, and any model whose
 processor has ``WanAttnProcessor``'s signature (rotary embeddings, QK norms, I2V image context)."""
 
-import weakref
-from collections import Counter
-
 import torch
 from diffusers.models.transformers.transformer_wan import _get_added_kv_projections, _get_qkv_projections
 
-from ..attention import run
-from ..config import load_config
-from ..policy import Call, decide
+from .base import OpenVCProcessorBase
 
 TEXT_CONTEXT_LEN = 512
 """Wan's text encoder context length; I2V prepends the image tokens before it (as diffusers does)."""
@@ -26,46 +21,14 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.
     return out.type_as(x)
 
 
-class OpenVCProcessor:
+class OpenVCProcessor(OpenVCProcessorBase):
     """Attention processor that sends Wan self-attention to Open-VC FP8 attention, by policy.
 
     ``pipe.transformer.set_attn_processor(OpenVCProcessor(config))``: ``config`` is anything
     ``openvc_diffusers.load_config`` takes (None for the defaults, a dict, a YAML path, a config).
-    Self-attention layers are numbered in the order they first run (for ``bf16_layers``); the denoising step
-    (for ``bf16_steps``) comes from ``openvc_diffusers.apply``, which installs a step tracker.
-    ``calls`` counts the calls per ``(kind, backend)``, kind being "self" or "cross".
+    It also stands in for SkyReels-V2's ``SkyReelsV2AttnProcessor``: same signature and computation (its
+    ``_get_qkv_projections`` tests ``cross_attention_dim_head``, which is Wan's ``is_cross_attention``).
     """
-
-    _attention_backend = None
-    _parallel_config = None
-
-    def __init__(self, config=None):
-        self.config = load_config(config)
-        if self.config.ulysses_degree != 1:
-            raise ValueError(
-                f"parallel.ulysses_degree {self.config.ulysses_degree} is not supported by this version; use 1"
-            )
-        self.calls: Counter[tuple[str, str]] = Counter()
-        self.step_tracker = None
-        self._layers: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
-
-    @property
-    def step(self) -> int | None:
-        return None if self.step_tracker is None else self.step_tracker.step
-
-    def _layer(self, attn: torch.nn.Module) -> int:
-        return self._layers.setdefault(attn, len(self._layers))
-
-    def _attend(self, attn, q, k, v, *, is_cross: bool, attn_mask=None) -> torch.Tensor:
-        if self._parallel_config is not None and not is_cross:
-            # Sharded sequences need an all-to-all around attention that this processor does not do yet.
-            raise RuntimeError("OpenVCProcessor does not support diffusers context parallelism yet")
-        layer = None if is_cross else self._layer(attn)
-        call = Call(q, is_cross=is_cross, has_mask=attn_mask is not None, layer=layer, step=self.step)
-        decision = decide(self.config, call)
-        self.calls["cross" if is_cross else "self", decision.backend] += 1
-        out = run(decision, self.config, q, k, v, attn_mask=attn_mask, attention_backend=self._attention_backend)
-        return out.flatten(2, 3).type_as(q)
 
     def __call__(
         self,

@@ -1,0 +1,86 @@
+"""What every Open-VC processor shares: the config, the per-call policy decision and run, and the bookkeeping
+(``calls``, layer numbers, the denoising step). Each family's processor mirrors diffusers' stock one and hands
+every attention call to ``_attend``."""
+
+import weakref
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import run
+from ..config import load_config
+from ..parallel import heads_to_sequence, sequence_to_heads, ulysses_group
+from ..policy import SDPA, Call, decide
+
+
+class OpenVCProcessorBase:
+    """Base of the family processors; ``config`` is anything ``openvc_diffusers.load_config`` takes.
+
+    Self-attention layers (joint video+text attention included) are numbered in the order they first run, for
+    ``bf16_layers``; the denoising step, for ``bf16_steps``, comes from the ``step_tracker`` that
+    ``openvc_diffusers.apply`` installs. ``calls`` counts the calls per ``(kind, backend)``, kind being "self"
+    or "cross".
+    """
+
+    # Set by diffusers' set_attention_backend, as on its own processors; _parallel_config by
+    # openvc_diffusers.apply when parallel.ulysses_degree > 1.
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, config=None):
+        self.config = load_config(config)
+        self.calls: Counter[tuple[str, str]] = Counter()
+        self.step_tracker = None
+        self._layers: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+
+    @property
+    def step(self) -> int | None:
+        return None if self.step_tracker is None else self.step_tracker.step
+
+    def _layer(self, attn: torch.nn.Module) -> int:
+        return self._layers.setdefault(attn, len(self._layers))
+
+    def _attend(
+        self,
+        attn: torch.nn.Module,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        is_cross: bool,
+        attn_mask: torch.Tensor | None = None,
+        valid_len: int | None = None,
+        pad_queries: bool = False,
+    ) -> torch.Tensor:
+        """Attention on ``(B, S, H, D)`` through the backend the policy picks; ``(B, S_q, H * D)`` out.
+
+        ``valid_len``: ``attn_mask`` hides exactly the keys from this index on, in every batch row, so a backend
+        that takes no mask runs on K/V trimmed to it; SDPA still gets the mask, which keeps its output identical
+        to diffusers'. ``pad_queries``: the mask also hides the query rows from ``valid_len`` on, whose output is
+        then zero (as SDPA gives a row with no key), so those rows are trimmed too.
+
+        Under Ulysses (``_parallel_config`` set) self-attention exchanges sequence shards for head shards first and
+        back after; cross-attention needs no exchange: each rank's query shard attends to the whole context.
+        """
+        sharded = self._parallel_config is not None and not is_cross
+        if sharded:
+            if attn_mask is not None:
+                raise RuntimeError(f"{type(self).__name__}: masked self-attention under Ulysses is not supported")
+            group = ulysses_group(self._parallel_config)
+            q, k, v = (sequence_to_heads(x, group) for x in (q, k, v))
+        trim = valid_len is not None
+        q_seen = q[:, :valid_len] if trim and pad_queries else q
+        layer = None if is_cross else self._layer(attn)
+        has_mask = attn_mask is not None and not trim
+        call = Call(q_seen, is_cross=is_cross, has_mask=has_mask, layer=layer, step=self.step)
+        decision = decide(self.config, call)
+        self.calls["cross" if is_cross else "self", decision.backend] += 1
+        if trim and decision.backend != SDPA:
+            out = run(decision, self.config, q_seen, k[:, :valid_len], v[:, :valid_len])
+            out = F.pad(out, (0, 0, 0, 0, 0, q.shape[1] - q_seen.shape[1]))
+        else:
+            out = run(decision, self.config, q, k, v, attn_mask=attn_mask, attention_backend=self._attention_backend)
+        if sharded:
+            out = heads_to_sequence(out, group)
+        return out.flatten(2, 3).type_as(q)
