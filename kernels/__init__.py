@@ -4,13 +4,20 @@ The PyTorch reference here is the oracle; the Hopper implementation lives in ``s
 """
 
 from .expcast import expcast_decode, expcast_encode
+from .ops import attention, attention_prepared, prepare
 from .reference import reference_attention, visiting_order
+from .sm90.layout import Prepared, prepare_reference
 from .support import kernel_unavailable_reason
 
 __all__ = [
+    "Prepared",
+    "attention",
+    "attention_prepared",
     "expcast_decode",
     "expcast_encode",
     "kernel_unavailable_reason",
+    "prepare",
+    "prepare_reference",
     "reference_attention",
     "visiting_order",
 ]

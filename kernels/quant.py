@@ -24,7 +24,8 @@ def _e4m3(x: torch.Tensor) -> torch.Tensor:
 
 def _scale_and_descale(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a = absmax.clamp(min=ABSMAX_FLOOR)
-    return FP8_MAX / a, a / FP8_MAX
+    # One IEEE division each: a Python scalar over a tensor would run as reciprocal-then-multiply.
+    return torch.full_like(a, FP8_MAX) / a, a / FP8_MAX
 
 
 def quantize_per_block(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

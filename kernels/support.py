@@ -15,11 +15,6 @@ def cutlass_dsl_installed() -> bool:
     return importlib.util.find_spec("cutlass") is not None
 
 
-@functools.cache
-def kernel_built() -> bool:
-    return importlib.util.find_spec("openvc_kernels.ops") is not None
-
-
 def kernel_unavailable_reason(q: torch.Tensor) -> str | None:
     """None if the sm90 kernel can run attention on ``q``'s device, dtype and head dim; else why not."""
     if q.device.type != "cuda":
@@ -34,6 +29,4 @@ def kernel_unavailable_reason(q: torch.Tensor) -> str | None:
         return f"the FP8 kernel takes fp16/bf16 inputs, got {q.dtype}"
     if not cutlass_dsl_installed():
         return "nvidia-cutlass-dsl is not installed"
-    if not kernel_built():
-        return "this build of openvc-diffusers has no Hopper kernel yet"
     return None

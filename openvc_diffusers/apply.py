@@ -62,7 +62,8 @@ def _family(processor) -> Family | None:
     return None
 
 
-def _transformers(target) -> list[torch.nn.Module]:
+def pipeline_transformers(target) -> list[torch.nn.Module]:
+    """A pipeline's transformers (``transformer``, and ``transformer_2`` where there is one), or the model itself."""
     if isinstance(target, torch.nn.Module):
         return [target]
     found = [getattr(target, a) for a in TRANSFORMER_ATTRS if getattr(target, a, None) is not None]
@@ -96,7 +97,7 @@ def apply(target, config=None) -> OpenVCProcessorBase:
     ``parallel.ulysses_degree > 1`` shards each transformer's sequence over the torch.distributed world.
     Returns the processor (its ``calls`` counts which backend took which calls).
     """
-    models = _transformers(target)
+    models = pipeline_transformers(target)
     plans = [_attention_to_replace(model) for model in models]
     families = {family for family, _ in plans}
     if len(families) != 1:

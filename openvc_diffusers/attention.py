@@ -38,8 +38,11 @@ def run(
     for reason in decision.reasons:
         warn_once(f"Open-VC fallback to {decision.backend}: {reason}")
     if decision.backend == OPENVC_KERNEL:
-        out = openvc_kernels.attention(q, k, v, repair_ratio=config.repair_ratio, window=config.window)
-        return out.to(q.dtype)
+        if config.repair_ratio > 0:
+            warn_once(
+                f"repair_ratio {config.repair_ratio}: the Hopper kernel has no V residual repair yet; running without it"
+            )
+        return openvc_kernels.attention(q, k, v, window=config.window).to(q.dtype)
     if decision.backend == OPENVC_REFERENCE:
         warn_once(REFERENCE_WARNING)
         return run_reference(q, k, v, repair_ratio=config.repair_ratio, window=config.window)

@@ -75,6 +75,29 @@ def ssim(a, b, data_range: float = 1.0) -> float:
     return ssim_map.mean().item()
 
 
+def _frames(a, b) -> tuple[torch.Tensor, torch.Tensor]:
+    # (..., H, W, C) -> (frames, H, W, C); an (H, W) image is one single-channel frame.
+    a, b = _as_float64_pair(a, b)
+    if a.ndim < 2:
+        raise ValueError(f"Per-frame metrics need images of shape (H, W) or (..., H, W, C), got {tuple(a.shape)}.")
+    if a.ndim == 2:
+        a, b = a[..., None], b[..., None]
+    return a.reshape(-1, *a.shape[-3:]), b.reshape(-1, *b.shape[-3:])
+
+
+def psnr_per_frame(a, b, data_range: float = 1.0) -> list[float]:
+    """PSNR of each frame in dB, `inf` for identical frames; `psnr` pools the error over all of them."""
+    a, b = _frames(a, b)
+    return [psnr(x, y, data_range) for x, y in zip(a, b)]
+
+
+def ssim_per_frame(a, b, data_range: float = 1.0) -> list[float]:
+    """SSIM of each frame; their mean is `ssim(a, b)`. One frame at a time: far less memory than `ssim` of a
+    whole long video takes."""
+    a, b = _frames(a, b)
+    return [ssim(x, y, data_range) for x, y in zip(a, b)]
+
+
 def rel_l2(out, ref) -> float:
     """Relative L2 error ||out - ref|| / ||ref||, in float64."""
     out, ref = _as_float64_pair(out, ref)

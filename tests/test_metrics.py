@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from openvc_diffusers.metrics import psnr, rel_l2, ssim
+from openvc_diffusers.metrics import psnr, psnr_per_frame, rel_l2, ssim, ssim_per_frame
 
 
 @pytest.fixture
@@ -47,6 +47,16 @@ def test_ssim_accepts_numpy_torch_and_images(video):
     # A video's SSIM is the mean over its frames, and a grayscale image is a single channel.
     assert np.mean([ssim(a, b) for a, b in zip(video, other)]) == pytest.approx(expected)
     assert ssim(video[0, ..., 0], other[0, ..., 0]) == pytest.approx(ssim(video[0, ..., :1], other[0, ..., :1]))
+
+
+def test_per_frame_metrics(video):
+    other = noisy(video, 0.03)
+    other[0] = video[0]  # an identical frame: infinite PSNR there, finite over the video
+    assert psnr_per_frame(video, other)[0] == math.inf
+    assert psnr_per_frame(video, other)[1:] == pytest.approx([psnr(a, b) for a, b in zip(video[1:], other[1:])])
+    assert psnr(video, other) < math.inf
+    assert np.mean(ssim_per_frame(video, other)) == pytest.approx(ssim(video, other))
+    assert ssim_per_frame(video[0, ..., 0], other[1, ..., 0]) == [ssim(video[0, ..., 0], other[1, ..., 0])]
 
 
 def test_rel_l2():

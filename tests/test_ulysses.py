@@ -1,7 +1,6 @@
 """Ulysses on gloo: two CPU processes give the single-process output; misuse fails with a clear error."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -17,15 +16,9 @@ DEGREE = 2
 CONFIG = {"min_tokens": 0, "parallel": {"ulysses_degree": DEGREE}}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, out_dir: str, seed: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=DEGREE)
+def _worker(rank: int, out_dir: str, seed: int) -> None:
+    # A file rendezvous: no port to race for with other processes on the machine.
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=DEGREE)
     torch.set_num_threads(1)
     try:
         # The exchange alone: a sequence shard -> all of the sequence for half the heads, and back.
@@ -58,7 +51,7 @@ def _worker(rank: int, port: int, out_dir: str, seed: int) -> None:
 def two_ranks(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("ulysses")
     seed = int.from_bytes(os.urandom(4), "little")
-    mp.spawn(_worker, args=(free_port(), str(out_dir), seed), nprocs=DEGREE)
+    mp.spawn(_worker, args=(str(out_dir), seed), nprocs=DEGREE)
     torch.manual_seed(seed)
     full = torch.randn(2, 8 * DEGREE, 4, 16)
     return out_dir, full

@@ -1,0 +1,6 @@
+"""The Hopper (sm_90a) implementation: packed-V layout, ExpCast softmax helpers, fused preparation,
+forward kernel. Only ``layout`` is importable without nvidia-cutlass-dsl."""
+
+from .layout import KEY_PERMUTATION, PV_N, Prepared, pack_v, prepare_reference
+
+__all__ = ["KEY_PERMUTATION", "PV_N", "Prepared", "pack_v", "prepare_reference"]

@@ -1,0 +1,412 @@
+"""FP8 ExpCast attention forward for Hopper (sm_90a): one CTA per (128-row query tile, head, batch).
+
+Roles: warpgroup 0 is the producer (its warp 0 issues every TMA load, K(i + 1) ahead of V(i));
+warpgroups 1 and 2 are consumers, 64 query rows each, sharing the query tile's Q descale. Per key
+tile i a consumer issues QK^T(i) and PV(i - 1) back to back, then runs the ExpCast softmax of tile i.
+Registers per consumer thread: S 64, PV 68, O 68, P 16; with so little room ptxas retires PV(i - 1)
+before the softmax, so the two consumer warpgroups overlap each other (one's softmax under the
+other's wgmmas) rather than each overlapping itself.
+
+Shared memory (FP8 bytes, 128B-swizzled, K-major rows of 128 bytes):
+  sQ  (128 query rows, 128 channels)
+  sK  (128 keys, 128 channels, KV_STAGES)
+  sV  (136 packed-V rows, 128 key positions, KV_STAGES)   rows 128..135 are the ones rows
+Global inputs (all FP8 as uint8 bytes): q8, k8 (B, H, S_pad, 128); packed V (B, H, 136, Sk_pad);
+descales d_q (B, H, n_q), d_k (B, H, n_k), d_v (B, H); output (B, S, H, 128) bf16.
+"""
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
+
+from ..quant import BLOCK
+from . import softmax
+from .layout import HEAD_DIM, PV_N
+
+FP8 = cutlass.Float8E4M3FN
+TILE_M = BLOCK
+"""Query rows per CTA: one Q quantization block, so one d_q per CTA."""
+TILE_N = BLOCK
+"""Keys per tile: one K quantization block, so one d_k per tile."""
+WG_THREADS = 128
+CONSUMER_WGS = 2
+"""Each consumer warpgroup owns 64 of the tile's rows (the wgmma M)."""
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+KV_STAGES = 3
+SMEM_ALIGN = 1024
+"""The 128B swizzle pattern repeats every 1024 bytes; each buffer starts on one."""
+SCHEDULER_BARRIER = 1
+"""Named barriers 1 and 2 (0 is __syncthreads): consumer warpgroup w waits on 1 + w to issue its wgmmas."""
+
+
+def _smem_layout(rows: int, stages: int | None = None):
+    """K-major FP8 tile of ``rows`` x 128 bytes (one 128B swizzle atom wide), optionally staged."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, FP8, HEAD_DIM), FP8
+    )
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, HEAD_DIM), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, HEAD_DIM, stages), order=(0, 1, 2))
+
+
+def _as_fp8_tma_view(t: cute.Tensor) -> cute.Tensor:
+    """uint8 (B, H, rows, cols) -> FP8 (rows, cols, H, B): tile modes first, for TMA."""
+    return cute.make_tensor(
+        cute.recast_ptr(t.iterator, dtype=FP8), cute.select(t.layout, mode=[2, 3, 1, 0])
+    )
+
+
+@cute.jit
+def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a, frag_b, zero_init):
+    """Issue one warpgroup's wgmmas over the K blocks and commit them as one group (no wait).
+
+    ``zero_init`` may be a run-time Boolean: it is the wgmma's scale-d predicate.
+    """
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+        cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
+@cute.jit
+def _tma_load(pipe: pipeline.PipelineAsync, atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, state):
+    """Wait for the stage to be free, then one TMA copy of ``src`` into it, completing on its barrier."""
+    pipe.producer_acquire(state)
+    cute.copy(atom, src, dst[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+
+
+class ExpCastAttentionSm90:
+    """Compile-time configuration: the visiting order (mid-window or plain) and the KV pipeline depth."""
+
+    def __init__(
+        self, plain_order: bool = False, kv_stages: int = KV_STAGES, pingpong: bool = False, promote_every: int = 2
+    ):
+        self.plain_order = plain_order
+        self.kv_stages = kv_stages
+        # The FP8 wgmma adds into its accumulator with ~14 significant bits, so summing PV over all
+        # tiles in it drops small products. Every promote_every tiles its sum moves into FP32 registers.
+        self.promote_every = promote_every
+        # Ping-pong: the two consumer warpgroups take turns issuing their wgmmas, so one's softmax
+        # runs while the other's matrix products occupy the tensor cores.
+        self.pingpong = pingpong
+
+    @cute.jit
+    def __call__(
+        self,
+        q8: cute.Tensor,
+        k8: cute.Tensor,
+        v_packed: cute.Tensor,
+        d_q: cute.Tensor,
+        d_k: cute.Tensor,
+        d_v: cute.Tensor,
+        out: cute.Tensor,
+        codes_per_score: Float32,
+        seqlen_k: Int32,
+        window: Int32,
+        stream: cuda.CUstream,
+    ):
+        """``codes_per_score`` is ``fp32(softmax_scale * 8 log2 e)``; the kernel multiplies in d_q."""
+        mQ, mK, mV = [_as_fp8_tma_view(t) for t in (q8, k8, v_packed)]
+        sQ_layout = _smem_layout(TILE_M)
+        sK_layout = _smem_layout(TILE_N, self.kv_stages)
+        sV_layout = _smem_layout(PV_N, self.kv_stages)
+        operand_k = cute.nvgpu.OperandMajorMode.K
+        # Both warpgroups in one tiled MMA (atom layout 2 x 1): a warpgroup's slice is its 64 rows.
+        tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
+            FP8, FP8, operand_k, operand_k, Float32, (CONSUMER_WGS, 1, 1), (64, TILE_N)
+        )
+        tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
+            FP8, FP8, operand_k, operand_k, Float32, (CONSUMER_WGS, 1, 1), (64, PV_N),
+            warpgroup.OperandSource.RMEM,
+        )
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, mQ = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (TILE_M, HEAD_DIM))
+        tma_k, mK = cpasync.make_tiled_tma_atom(
+            load_op, mK, cute.select(sK_layout, mode=[0, 1]), (TILE_N, HEAD_DIM)
+        )
+        tma_v, mV = cpasync.make_tiled_tma_atom(
+            load_op, mV, cute.select(sV_layout, mode=[0, 1]), (PV_N, TILE_N)
+        )
+        self.bytes_q = cute.size_in_bytes(FP8, sQ_layout)
+        self.bytes_k = cute.size_in_bytes(FP8, cute.select(sK_layout, mode=[0, 1]))
+        self.bytes_v = cute.size_in_bytes(FP8, cute.select(sV_layout, mode=[0, 1]))
+
+        stages = self.kv_stages
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sQ_layout)], SMEM_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sK_layout)], SMEM_ALIGN]
+            sV: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sV_layout)], SMEM_ALIGN]
+
+        n_q_tiles = q8.shape[2] // TILE_M
+        self.kernel(
+            mQ, mK, mV, d_q, d_k, d_v, out,
+            tma_q, tma_k, tma_v,
+            codes_per_score, seqlen_k, window,
+            sQ_layout, sK_layout, sV_layout,
+            tiled_mma_qk, tiled_mma_pv,
+            SharedStorage,
+        ).launch(
+            grid=[n_q_tiles, q8.shape[1], q8.shape[0]],
+            block=[WG_THREADS * (1 + CONSUMER_WGS), 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        d_q: cute.Tensor,
+        d_k: cute.Tensor,
+        d_v: cute.Tensor,
+        out: cute.Tensor,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        codes_per_score: Float32,
+        seqlen_k: Int32,
+        window: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = SmemAllocator().allocate(SharedStorage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # Consumers release a stage once per warp (one elected lane arrives).
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WGS * 4)
+        make_pipeline = lambda mbar, n, nbytes: pipeline.PipelineTmaAsync.create(
+            barrier_storage=mbar.data_ptr(), num_stages=n, producer_group=producer,
+            consumer_group=consumers, tx_count=nbytes, defer_sync=True,
+        )
+        pipeline_q = make_pipeline(storage.mbar_q, 1, self.bytes_q)
+        pipeline_k = make_pipeline(storage.mbar_k, self.kv_stages, self.bytes_k)
+        pipeline_v = make_pipeline(storage.mbar_v, self.kv_stages, self.bytes_v)
+        pipeline_init_arrive(is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        m_block, head, batch = cute.arch.block_idx()
+        n_k = (seqlen_k + TILE_N - 1) // TILE_N
+        start = n_k - 1
+        if const_expr(not self.plain_order):
+            start = cutlass.min(m_block + window, n_k - 1)
+        pipeline_init_wait()
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                self.load(
+                    mQ[None, None, head, batch], mK[None, None, head, batch],
+                    mV[None, None, head, batch], sQ, sK, sV, tma_q, tma_k, tma_v,
+                    pipeline_q, pipeline_k, pipeline_v, m_block, n_k, start,
+                )
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            tidx = cute.arch.thread_idx()[0] - WG_THREADS
+            self.consume(
+                sQ, sK, sV, d_q[batch, head, None], d_k[batch, head, None], d_v[batch, head],
+                out[batch, None, head, None], tiled_mma_qk, tiled_mma_pv,
+                pipeline_q, pipeline_k, pipeline_v, tidx, m_block, n_k, start,
+                codes_per_score, seqlen_k,
+            )
+
+    @cute.jit
+    def tile_at(self, i: Int32, start: Int32, n_k: Int32) -> Int32:
+        """The i-th key tile visited: mid-window ``start, ..., 0, n-1, ..., start+1``, or ``i``."""
+        j = i
+        if const_expr(not self.plain_order):
+            j = start - i
+            if j < 0:
+                j = j + n_k
+        return j
+
+    @cute.jit
+    def load(
+        self,
+        gQ_all: cute.Tensor,
+        gK_all: cute.Tensor,
+        gV_all: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        pipeline_q: pipeline.PipelineAsync,
+        pipeline_k: pipeline.PipelineAsync,
+        pipeline_v: pipeline.PipelineAsync,
+        m_block: Int32,
+        n_k: Int32,
+        start: Int32,
+    ):
+        """Producer warp: Q once, then K(i + 1) ahead of V(i), the order the consumers wait in."""
+        gQ = cute.local_tile(gQ_all, (TILE_M, HEAD_DIM), (m_block, 0))
+        gK = cute.local_tile(gK_all, (TILE_N, HEAD_DIM), (None, 0))
+        gV = cute.local_tile(gV_all, (PV_N, TILE_N), (0, None))
+        no_cluster = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, no_cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, no_cluster, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, no_cluster, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipeline_q.producer_acquire(q_state)
+        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        _tma_load(pipeline_k, tma_k, tKgK[None, self.tile_at(0, start, n_k)], tKsK, state)
+        for i in cutlass.range(1, n_k, unroll=1):
+            prev = state.clone()
+            state.advance()
+            _tma_load(pipeline_k, tma_k, tKgK[None, self.tile_at(i, start, n_k)], tKsK, state)
+            _tma_load(pipeline_v, tma_v, tVgV[None, self.tile_at(i - 1, start, n_k)], tVsV, prev)
+        _tma_load(pipeline_v, tma_v, tVgV[None, self.tile_at(n_k - 1, start, n_k)], tVsV, state)
+
+    @cute.jit
+    def consume(
+        self,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        d_q: cute.Tensor,
+        d_k: cute.Tensor,
+        d_v: Float32,
+        out: cute.Tensor,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        pipeline_q: pipeline.PipelineAsync,
+        pipeline_k: pipeline.PipelineAsync,
+        pipeline_v: pipeline.PipelineAsync,
+        tidx: Int32,
+        m_block: Int32,
+        n_k: Int32,
+        start: Int32,
+        codes_per_score: Float32,
+        seqlen_k: Int32,
+    ):
+        """One consumer warpgroup: 64 query rows against every key tile, then the epilogue."""
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        wg_qk = tiled_mma_qk.get_slice(wg * WG_THREADS)
+        wg_pv = tiled_mma_pv.get_slice(wg * WG_THREADS)
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        frag_q = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        frag_k = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        frag_v = wg_pv.make_fragment_B(wg_pv.partition_B(sV))
+        frag_p = wg_pv.make_fragment_A(wg_pv.partition_shape_A((TILE_M, TILE_N)))
+        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_M, TILE_N)), Float32)
+        # acc_pv: the PV wgmma's accumulator over the last tiles (< promote_every); acc_o: FP32 sum.
+        acc_pv = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, PV_N)), Float32)
+        acc_o = cute.make_rmem_tensor_like(acc_pv)
+        acc_o.fill(0.0)
+        scores = softmax.rows_view(acc_s)
+        key_coords = softmax.rows_view(thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
+
+        m = cute.make_rmem_tensor((2,), Float32)
+        anchor = cute.make_rmem_tensor((2,), Float32)
+        alpha = cute.make_rmem_tensor((2,), Float32)
+        s = softmax.mul_rn(codes_per_score, d_q[m_block])
+        last_tile = n_k - 1
+        last_valid = seqlen_k - last_tile * TILE_N
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipeline_q.consumer_wait(q_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+
+        tile = self.tile_at(0, start, n_k)
+        d_k_tile = d_k[tile]
+        pipeline_k.consumer_wait(state)
+        _gemm(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, state.index], True)
+        warpgroup.wait_group(0)
+        pipeline_k.consumer_release(state)
+        softmax.online_codes(
+            scores, key_coords, tile == last_tile, last_valid, m, anchor, alpha, s, d_k_tile, True
+        )
+        softmax.pack_codes(acc_s, frag_p)
+
+        if const_expr(self.pingpong):
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=2 * WG_THREADS)
+        for i in cutlass.range(1, n_k, unroll=1):
+            tile = self.tile_at(i, start, n_k)
+            d_k_tile = d_k[tile]
+            prev = state.clone()
+            state.advance()
+            pipeline_k.consumer_wait(state)
+            if const_expr(self.pingpong):
+                cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WG_THREADS)
+            _gemm(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, state.index], True)
+            pipeline_v.consumer_wait(prev)
+            fresh = (i - 1) % self.promote_every == 0
+            _gemm(tiled_mma_pv, acc_pv, frag_p, frag_v[None, None, None, prev.index], fresh)
+            if const_expr(self.pingpong):
+                cute.arch.barrier_arrive(
+                    barrier_id=SCHEDULER_BARRIER + 1 - wg, number_of_threads=2 * WG_THREADS
+                )
+            warpgroup.wait_group(1)
+            pipeline_k.consumer_release(state)
+            softmax.online_codes(
+                scores, key_coords, tile == last_tile, last_valid, m, anchor, alpha, s, d_k_tile, False
+            )
+            # frag_p and acc_pv belong to the PV wgmma until it retires.
+            warpgroup.wait_group(0)
+            pipeline_v.consumer_release(prev)
+            softmax.accumulate(acc_o, acc_pv, alpha, i % self.promote_every == 0)
+            softmax.pack_codes(acc_s, frag_p)
+
+        pipeline_v.consumer_wait(state)
+        fresh = (n_k - 1) % self.promote_every == 0
+        _gemm(tiled_mma_pv, acc_pv, frag_p, frag_v[None, None, None, state.index], fresh)
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(state)
+        alpha.fill(1.0)
+        softmax.accumulate(acc_o, acc_pv, alpha, True)
+
+        self.store(acc_o, thr_pv, d_v, out, m_block)
+
+    @cute.jit
+    def store(self, acc_o: cute.Tensor, thr_pv: cute.ThrMma, d_v: Float32, out: cute.Tensor, m_block: Int32):
+        """``O = fp32(acc * fp32(d_v / l))`` -> bf16 rows < S; l is accumulator column 128 (ones rows)."""
+        rows = softmax.rows_view(acc_o)
+        coords = softmax.rows_view(thr_pv.partition_C(cute.make_identity_tensor((TILE_M, PV_N))))
+        l_column = cute.size(rows, mode=[1]) - 2  # (e = 0, last column group): column 128 + 2 lane
+        seqlen_q = out.shape[0]
+        for r in cutlass.range_constexpr(2):
+            scale = d_v / rows[r, l_column]
+            row = m_block * TILE_M + coords[r, 0][0]
+            if row < seqlen_q:
+                for i in cutlass.range_constexpr(l_column):
+                    out[row, coords[r, i][1]] = (rows[r, i] * scale).to(cutlass.BFloat16)

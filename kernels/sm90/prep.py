@@ -1,0 +1,357 @@
+"""Fused preparation for the sm90 kernel: Q and K to FP8 per 128-token block, V to FP8 per head, packed.
+
+Byte-identical to ``quant.quantize_per_block`` (Q, K) and ``layout.pack_v(quant.quantize_per_head(V))``.
+Inputs are diffusers' ``(B, S, H, 128)`` fp16/bf16, any strides whose head-dim stride is 1 and the others
+multiples of 8 elements (16 bytes); anything else is copied once by ``prepare``.
+
+Four launches, stream-ordered, no host synchronisation, capturable in a CUDA graph:
+
+  QuantizePerBlock (Q)  x (B, S, H, 128)  -> x8 (B, H, S_pad, 128) E4M3, d (B, H, n_blocks)
+  QuantizePerBlock (K)  same
+  AbsmaxPerHead    (V)  v                 -> amax (B, H): atomic max of each block's absmax
+  PackV            (V)  v, amax           -> v_packed (B, H, 136, S_pad) E4M3, d_v (B, H)
+
+Every CTA owns one 128-token block of one (b, h): 256 threads, each holding 16 consecutive channels of
+4 tokens in registers (the block is read once per kernel). V is read twice: its scale needs the whole head.
+The absmax is exact in any order (max of non-negative FP32s, and on their bits as integers), so the
+atomics leave the result deterministic.
+"""
+
+import functools
+import os
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32, Uint8
+
+from ..quant import ABSMAX_FLOOR, BLOCK, FP8_MAX, num_blocks
+from .layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS, PV_N, Prepared
+
+THREADS = 256
+WARPS = THREADS // 32
+CHANNELS_PER_THREAD = 16
+"""Consecutive channels of one token per thread: two 16-byte loads in, one 16-byte FP8 store out."""
+THREADS_PER_TOKEN = HEAD_DIM // CHANNELS_PER_THREAD
+TOKENS_PER_PASS = THREADS // THREADS_PER_TOKEN
+"""32 tokens per pass, 4 passes per block: all 16 KiB of loads of a thread in flight at once."""
+KEYS_PER_STORE = 16
+"""Packed V: consecutive key positions one thread stores (16 bytes) for one channel."""
+INPUT_ALIGN = 16
+"""Bytes: the vector width of every global access."""
+PERMUTATION_SHAPE = ((2, 2, 4, 2), BLOCK // CHUNK)
+PERMUTATION_STRIDE = ((1, 8, 2, 16), CHUNK)
+"""Packed-V position -> key within the block, ``layout.chunk_key`` as a layout: position
+p = b0 + 2 b1 + 4 lane + 16 half + 32 chunk holds key b0 + 8 b1 + 2 lane + 16 half + 32 chunk."""
+
+TORCH_TO_CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+
+
+def _token_major_copy(dtype: type[cutlass.Numeric]) -> cute.TiledCopy:
+    """A (tokens, channels) tile split over 256 threads: thread t takes token t // 8, channels 16 (t % 8) + (0..15).
+
+    thr (32, 8):(8, 1) so eight neighbouring threads read one token's 256 contiguous bytes; val (1, 16).
+    """
+    thr = cute.make_layout((TOKENS_PER_PASS, THREADS_PER_TOKEN), stride=(THREADS_PER_TOKEN, 1))
+    val = cute.make_layout((1, CHANNELS_PER_THREAD))
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+    return cute.make_tiled_copy_tv(atom, thr, val)
+
+
+def _channel_major_copy(dtype: type[cutlass.Numeric], channels: int, groups: int) -> cute.TiledCopy:
+    """A (channels, positions) tile of packed V: thread t takes channel t % channels, position group t // channels.
+
+    thr (channels, groups):(1, channels), val (1, 16): 16 consecutive key positions, one 16-byte store.
+    """
+    thr = cute.make_layout((channels, groups), stride=(1, channels))
+    val = cute.make_layout((1, KEYS_PER_STORE))
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+    return cute.make_tiled_copy_tv(atom, thr, val)
+
+
+def _scaled(stride, factor: int):
+    """A (nested) stride tuple times ``factor``."""
+    return tuple(_scaled(s, factor) for s in stride) if isinstance(stride, tuple) else stride * factor
+
+
+@cute.jit
+def _load_block(mX: cute.Tensor, b: Int32, h: Int32, n: Int32, tidx: Int32) -> cute.Tensor:
+    """This thread's 64 values of block n of ``mX`` (B, S, H, 128) at (b, h); tokens past S read as 0.
+
+    Returns the register fragment ((16), 4 passes, 1).
+    """
+    seq_len = mX.shape[1]
+    tiled_copy = _token_major_copy(mX.element_type)
+    thr_copy = tiled_copy.get_slice(tidx)
+    gX = cute.local_tile(mX[b, None, h, None], (BLOCK, HEAD_DIM), (n, 0))
+    cX = cute.local_tile(cute.make_identity_tensor((seq_len, HEAD_DIM)), (BLOCK, HEAD_DIM), (n, 0))
+    tXgX = thr_copy.partition_S(gX)
+    tXcX = thr_copy.partition_S(cX)
+    tXrX = cute.make_rmem_tensor_like(tXgX)
+    tXrX.fill(0)
+    for p in cutlass.range_constexpr(cute.size(tXgX, mode=[1])):
+        if tXcX[0, p, 0][0] < seq_len:
+            cute.copy(tiled_copy, tXgX[None, p, None], tXrX[None, p, None])
+    return tXrX
+
+
+@cute.jit
+def _block_absmax(x: cute.TensorSSA, reduction_buffer: cute.Tensor) -> Float32:
+    """max |x| over the CTA, returned to every thread. ``reduction_buffer``: smem (WARPS,) fp32."""
+    a = cute.math.abs(x).reduce(cute.ReductionOp.MAX, init_val=Float32(0.0), reduction_profile=0)
+    a = cute.arch.warp_reduction_max(a)
+    if cute.arch.lane_idx() == 0:
+        reduction_buffer[cute.arch.warp_idx()] = a
+    cute.arch.barrier()
+    a = reduction_buffer[0]
+    for w in cutlass.range_constexpr(1, WARPS):
+        a = cute.arch.fmax(a, reduction_buffer[w])
+    return a
+
+
+@cute.jit
+def _scale_and_descale(a: Float32) -> tuple[Float32, Float32]:
+    """``quant._scale_and_descale`` rounding for rounding: ``448 / a`` and ``a / 448``, one IEEE division each."""
+    a = cute.arch.fmax(a, Float32(ABSMAX_FLOOR))
+    return Float32(FP8_MAX) / a, a / Float32(FP8_MAX)
+
+
+@cute.jit
+def _to_e4m3(x: cute.TensorSSA, scale: Float32) -> cute.TensorSSA:
+    """RNE to E4M3 with saturation (cvt.rn.satfinite.e4m3x2.f32): ``quant._e4m3`` of ``x * scale``."""
+    return (x * scale).to(cutlass.Float8E4M3FN)
+
+
+class QuantizePerBlock:
+    """Q or K: one scale per 128-token block. Grid (n_blocks, H, B)."""
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mX8: cute.Tensor, mD: cute.Tensor, stream: cuda.CUstream):
+        """mX (B, S, H, 128) fp16/bf16; mX8 (B, H, S_pad, 128) uint8, row-major; mD (B, H, n_blocks) fp32."""
+        self.kernel(mX, mX8, mD).launch(
+            grid=[mD.shape[2], mD.shape[1], mD.shape[0]], block=[THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mX8: cute.Tensor, mD: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        n, h, b = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        reduction_buffer = smem.allocate_tensor(Float32, cute.make_layout(WARPS))
+
+        tXrX = _load_block(mX, b, h, n, tidx)
+        x = tXrX.load().to(Float32)
+        a = _block_absmax(x, reduction_buffer)
+        scale, descale = _scale_and_descale(a)
+
+        # Padding tokens hold 0 and quantize to 0: the whole padded block is written, unpredicated.
+        gX8 = cute.local_tile(
+            cute.recast_tensor(mX8[b, h, None, None], cutlass.Float8E4M3FN), (BLOCK, HEAD_DIM), (n, 0)
+        )
+        tiled_copy = _token_major_copy(cutlass.Float8E4M3FN)
+        tXgX8 = tiled_copy.get_slice(tidx).partition_D(gX8)
+        tXrX8 = cute.make_rmem_tensor_like(tXgX8)
+        tXrX8.store(_to_e4m3(x, scale))
+        cute.copy(tiled_copy, tXrX8, tXgX8)
+        if tidx == 0:
+            mD[b, h, n] = descale
+
+
+class AbsmaxPerHead:
+    """V pass 1: ``amax[b, h] = max(amax[b, h], absmax of the block)``; amax must start at 0. Grid (n_blocks, H, B)."""
+
+    @cute.jit
+    def __call__(self, mV: cute.Tensor, mAmax: cute.Tensor, stream: cuda.CUstream):
+        """mV (B, S, H, 128) fp16/bf16; mAmax (B, H) fp32, zeroed."""
+        n_blocks = cute.ceil_div(mV.shape[1], BLOCK)
+        self.kernel(mV, mAmax).launch(
+            grid=[n_blocks, mV.shape[2], mV.shape[0]], block=[THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mV: cute.Tensor, mAmax: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        n, h, b = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        reduction_buffer = smem.allocate_tensor(Float32, cute.make_layout(WARPS))
+
+        x = _load_block(mV, b, h, n, tidx).load().to(Float32)
+        a = _block_absmax(x, reduction_buffer)
+        if tidx == 0:
+            # a >= 0: integer max on its bits (atom.max.s32) is the float max, exact in any order.
+            cute.arch.atomic_fmax(mAmax.iterator + cute.crd2idx((b, h), mAmax.layout), a, sign_bit=False)
+
+
+class PackV:
+    """V pass 2: quantize with the head's scale, then transpose, permute keys and add the ones rows.
+
+    Grid (n_blocks, H, B). The block goes through shared memory as E4M3 ``sV8[key, channel]`` (128 x 128
+    bytes, row-major); packed V reads it back through ``(channel, position) -> sV8[perm(position), channel]``.
+    """
+
+    @cute.jit
+    def __call__(
+        self, mV: cute.Tensor, mAmax: cute.Tensor, mVp: cute.Tensor, mDv: cute.Tensor, stream: cuda.CUstream
+    ):
+        """mV (B, S, H, 128) fp16/bf16; mAmax (B, H) fp32; mVp (B, H, 136, S_pad) uint8, row-major; mDv (B, H) fp32."""
+        n_blocks = cute.ceil_div(mV.shape[1], BLOCK)
+        self.kernel(mV, mAmax, mVp, mDv).launch(
+            grid=[n_blocks, mV.shape[2], mV.shape[0]], block=[THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mV: cute.Tensor, mAmax: cute.Tensor, mVp: cute.Tensor, mDv: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        n, h, b = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        # sV8: (key 128, channel 128):(128, 1) bytes.
+        sV8 = smem.allocate_tensor(
+            cutlass.Float8E4M3FN, cute.make_layout((BLOCK, HEAD_DIM), stride=(HEAD_DIM, 1)), byte_alignment=16
+        )
+
+        x = _load_block(mV, b, h, n, tidx).load().to(Float32)
+        scale, descale = _scale_and_descale(mAmax[b, h])
+        tiled_copy = _token_major_copy(cutlass.Float8E4M3FN)
+        tVsV8 = tiled_copy.get_slice(tidx).partition_D(sV8)
+        tVrV8 = cute.make_rmem_tensor_like(tVsV8)
+        tVrV8.store(_to_e4m3(x, scale))
+        cute.copy(tiled_copy, tVrV8, tVsV8)
+        cute.arch.barrier()
+
+        # Packed tile (channel 128, position 128) -> sV8[perm(position), channel]:
+        # (128, ((2,2,4,2),4)):(1, ((128,1024,256,2048),4096)) bytes. Thread t stores channel t % 128,
+        # positions 16 (t // 128) + 32 i + (0..15), i = 0..3: a warp reads 32 channels of one key row
+        # (one smem wavefront) and writes 16 bytes to each of 32 packed rows.
+        sPacked = cute.make_tensor(
+            sV8.iterator,
+            cute.make_layout((HEAD_DIM, PERMUTATION_SHAPE), stride=(1, _scaled(PERMUTATION_STRIDE, HEAD_DIM))),
+        )
+        mVp_bh = mVp[b, h, None, None]
+        gVp = cute.local_tile(cute.recast_tensor(mVp_bh, cutlass.Float8E4M3FN), (HEAD_DIM, BLOCK), (0, n))
+        packed_copy = _channel_major_copy(cutlass.Float8E4M3FN, HEAD_DIM, THREADS // HEAD_DIM)
+        thr_packed = packed_copy.get_slice(tidx)
+        tPgP = thr_packed.partition_D(gVp)
+        tPrP = cute.make_rmem_tensor_like(tPgP)
+        cute.autovec_copy(thr_packed.partition_S(sPacked), tPrP)
+        cute.copy(packed_copy, tPrP, tPgP)
+
+        # Ones rows 128..135: 1.0 for real keys, 0 for padding; threads 0..63 store 16 positions each.
+        if tidx < ONES_ROWS * (BLOCK // KEYS_PER_STORE):
+            ones_copy = _channel_major_copy(Uint8, ONES_ROWS, BLOCK // KEYS_PER_STORE)
+            gOnes = cute.local_tile(mVp_bh, (ONES_ROWS, BLOCK), (HEAD_DIM // ONES_ROWS, n))
+            tOgO = ones_copy.get_slice(tidx).partition_D(gOnes)
+            tOrO = cute.make_rmem_tensor_like(tOgO)
+            tOrO.fill(0)
+            # This thread's positions 16 g + i hold keys 16 g + KEY_PERMUTATION[i] (halves map to halves).
+            first_key = n * BLOCK + (tidx // ONES_ROWS) * KEYS_PER_STORE
+            for i in cutlass.range_constexpr(KEYS_PER_STORE):
+                if first_key + KEY_PERMUTATION[i] < mV.shape[1]:
+                    tOrO[i] = Uint8(E4M3_ONE)
+            cute.copy(ones_copy, tOrO, tOgO)
+        if n == 0 and tidx == 0:
+            mDv[b, h] = descale
+
+
+# ---- compilation: once per (kernel, input dtype), shapes and strides symbolic; no GPU needed ----
+
+
+def _input_fake(dtype: type[cutlass.Numeric]):
+    """(B, S, H, 128) with any 16-byte-multiple strides and a contiguous head dim."""
+    shape = (cute.sym_int(), cute.sym_int(), cute.sym_int(), HEAD_DIM)
+    stride = (*(cute.sym_int64(divisibility=INPUT_ALIGN // (dtype.width // 8)) for _ in range(3)), 1)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=INPUT_ALIGN)
+
+
+def _row_major_fake(dtype: type[cutlass.Numeric], shape: tuple, align: int):
+    order = tuple(reversed(range(len(shape))))
+    return cute.runtime.make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
+
+
+@functools.cache
+def compile_prep(kind: str, dtype: torch.dtype):
+    """Compile one preparation kernel (``"quantize_per_block"``, ``"absmax_per_head"``, ``"pack_v"``)
+    for fp16 or bf16 inputs; set ``CUTE_DSL_ARCH=sm_90a`` to compile without a GPU."""
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    x = _input_fake(TORCH_TO_CUTLASS[dtype])
+    b, h = cute.sym_int(), cute.sym_int()
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if kind == "quantize_per_block":
+        s_pad, n = cute.sym_int(divisibility=BLOCK), cute.sym_int()
+        args = (
+            QuantizePerBlock(),
+            x,
+            _row_major_fake(Uint8, (b, h, s_pad, HEAD_DIM), INPUT_ALIGN),
+            _row_major_fake(Float32, (b, h, n), 4),
+        )
+    elif kind == "absmax_per_head":
+        args = (AbsmaxPerHead(), x, _row_major_fake(Float32, (b, h), 4))
+    elif kind == "pack_v":
+        s_pad = cute.sym_int(divisibility=BLOCK)
+        args = (
+            PackV(),
+            x,
+            _row_major_fake(Float32, (b, h), 4),
+            _row_major_fake(Uint8, (b, h, PV_N, s_pad), INPUT_ALIGN),
+            _row_major_fake(Float32, (b, h), 4),
+        )
+    else:
+        raise ValueError(f"unknown preparation kernel {kind!r}")
+    return cute.compile(*args, stream, options="--enable-tvm-ffi")
+
+
+# ---- torch wrapper ----
+
+
+def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when the kernels can read it in place (contiguous head dim, 16-byte strides and base);
+    otherwise one contiguous copy. Size-1 dims get stride 0: torch reports any stride there (and calls such
+    a tensor contiguous), the compiled kernels check that every stride is a multiple of 8 elements."""
+    x = x.as_strided(x.shape, [st if n > 1 else 0 for n, st in zip(x.shape, x.stride())])
+    elems = INPUT_ALIGN // x.element_size()
+    in_place = (
+        x.stride(3) == 1
+        and all(st % elems == 0 for st in x.stride()[:3])
+        and x.data_ptr() % INPUT_ALIGN == 0
+    )
+    return x if in_place else torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
+
+
+def empty_prepared(batch: int, seq_q: int, seq_k: int, heads: int, device: torch.device | str) -> Prepared:
+    """Uninitialised outputs for ``prepare_into``."""
+    n_q, n_k = num_blocks(seq_q), num_blocks(seq_k)
+    empty = functools.partial(torch.empty, device=device)
+    return Prepared(
+        q8=empty(batch, heads, n_q * BLOCK, HEAD_DIM, dtype=torch.uint8),
+        d_q=empty(batch, heads, n_q, dtype=torch.float32),
+        k8=empty(batch, heads, n_k * BLOCK, HEAD_DIM, dtype=torch.uint8),
+        d_k=empty(batch, heads, n_k, dtype=torch.float32),
+        v_packed=empty(batch, heads, PV_N, n_k * BLOCK, dtype=torch.uint8),
+        d_v=empty(batch, heads, dtype=torch.float32),
+        seqlen_k=seq_k,
+    )
+
+
+def prepare_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Prepared) -> Prepared:
+    """``prepare`` into the buffers of ``out`` (from ``empty_prepared``, contiguous); returns ``out``.
+
+    Four launches on the current stream; the only allocation (the V absmax accumulator, zeroed by torch)
+    comes before them, and nothing waits on the host, so a call can be captured in a CUDA graph.
+    """
+    q, k, v = (_kernel_ready(x) for x in (q, k, v))
+    amax_v = torch.zeros(v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
+    compile_prep("quantize_per_block", q.dtype)(q, out.q8, out.d_q)
+    compile_prep("quantize_per_block", k.dtype)(k, out.k8, out.d_k)
+    compile_prep("absmax_per_head", v.dtype)(v, amax_v)
+    compile_prep("pack_v", v.dtype)(v, amax_v, out.v_packed, out.d_v)
+    return out
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+    """Quantize ``(B, S, H, 128)`` fp16/bf16 CUDA tensors q, k, v for the sm90 kernel, on the current stream.
+
+    Byte-identical to ``quant.quantize_per_block`` (q, k) and ``layout.pack_v(quant.quantize_per_head(v))``.
+    Arguments are checked by the caller (``validation``, ``support``): same device, dtype, batch and heads.
+    """
+    batch, seq_q, heads, _ = q.shape
+    return prepare_into(q, k, v, empty_prepared(batch, seq_q, k.shape[1], heads, q.device))

@@ -1,0 +1,206 @@
+"""ExpCast online softmax on wgmma accumulators: running max, code anchor, codes, packing, rescale.
+
+Register picture (m64nN f32 accumulator of one warpgroup, per thread): the fragment is
+``((2, 2, N/8), 1, 1):((1, 2, 4), 0, 0)``; value ``e + 2 r + 4 c`` sits at row ``r`` (0, 1: this thread's
+two rows, 8 apart) and column ``2 (lane % 4) + e + 8 c``. ``rows_view`` re-indexes it as
+``(row, column-within-thread)``. Per row the four lanes of a quad together hold all N columns.
+
+Per key tile and row, with ``s`` codes per raw score unit and ``d_k`` the tile's K descale:
+``m = max(m, rowmax(raw) * d_k)``, ``anchor = rne(119.65 - s * m)``,
+``y = max(fma(raw, s * d_k, anchor + 2^23), 2^23)``: the low byte of y is the code (0..120).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ..expcast import EXPCAST_BIAS, ROUND_MAGIC
+
+LOG2_PER_CODE = 0.125
+"""One code step is 1/8 octave: moving the anchor by k codes scales probabilities by 2^(k/8)."""
+
+
+@dsl_user_op
+def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """FP32 product rounded on its own: ``mul.rn`` is never contracted into an FMA by ptxas."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+            "mul.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def byte_perm(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
+    """``prmt.b32``: byte i of the result is byte ``selector[4i:4i+4]`` of ``b:a`` (a = bytes 0-3)."""
+    return Uint32(
+        llvm.inline_asm(
+            T.i32(),
+            [
+                Uint32(a).ir_value(loc=loc, ip=ip),
+                Uint32(b).ir_value(loc=loc, ip=ip),
+                Int32(selector).ir_value(loc=loc, ip=ip),
+            ],
+            "prmt.b32 $0, $1, $2, $3;",
+            "=r,r,r,n",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+# prmt selectors: low bytes of two words side by side; then two such halves into one word.
+LOW_BYTES = 0x0040
+HALVES = 0x5410
+
+
+def rows_view(acc: cute.Tensor) -> cute.Tensor:
+    """``((2, 2, C), 1, 1)`` accumulator (or its coordinates) -> ``(2 rows, 2 * C columns)`` view."""
+    col_groups = cute.size(acc.shape[0][2])
+    by_row = cute.make_layout((2, (2, col_groups)), stride=(2, (1, 4)))
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, by_row))
+
+
+@cute.jit
+def quad_max(x: Float32) -> Float32:
+    """Max across the 4 lanes that hold one row (butterfly over lane bits 0 and 1)."""
+    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+
+
+@cute.jit
+def row_max(scores: cute.Tensor, row: cutlass.Constexpr[int]) -> Float32:
+    """Max of one row over the whole tile: a 4-way tree in registers, then across the quad."""
+    n = cute.size(scores, mode=[1])
+    lanes = [scores[row, i] for i in range(4)]
+    for i in cutlass.range_constexpr(4, n):
+        lanes[i % 4] = cute.arch.fmax(lanes[i % 4], scores[row, i])
+    local = cute.arch.fmax(cute.arch.fmax(lanes[0], lanes[1]), cute.arch.fmax(lanes[2], lanes[3]))
+    return quad_max(local)
+
+
+@cute.jit
+def code_anchor(m: Float32, s: Float32) -> Float32:
+    """``rne(119.65 - s * m)``: the integer the row's codes are anchored to."""
+    return cute.math.roundeven(Float32(EXPCAST_BIAS) - mul_rn(s, m))
+
+
+@cute.jit
+def mask_keys(scores: cute.Tensor, coords: cute.Tensor, valid_keys: Int32):
+    """Padding keys (column >= valid_keys) get -inf: they must not raise the max; their code is 0.
+
+    ``coords`` is the rows view of the tile's identity tensor partitioned like ``scores``.
+    """
+    for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+        if coords[0, i][1] >= valid_keys:
+            for r in cutlass.range_constexpr(2):
+                scores[r, i] = -Float32.inf
+
+
+@cute.jit
+def update_max(
+    scores: cute.Tensor,
+    m: cute.Tensor,
+    anchor: cute.Tensor,
+    alpha: cute.Tensor,
+    s: Float32,
+    d_k: Float32,
+    is_first: cutlass.Constexpr[bool],
+):
+    """Fold the tile into the running max; move the anchor; ``alpha`` rescales earlier accumulators."""
+    for r in cutlass.range_constexpr(2):
+        tile_max = mul_rn(row_max(scores, r), d_k)
+        if const_expr(is_first):
+            m[r] = tile_max
+            anchor[r] = code_anchor(tile_max, s)
+        else:
+            m[r] = cute.arch.fmax(m[r], tile_max)
+            new_anchor = code_anchor(m[r], s)
+            alpha[r] = Float32(1.0)
+            if new_anchor != anchor[r]:
+                alpha[r] = cute.math.exp2((new_anchor - anchor[r]) * LOG2_PER_CODE, fastmath=True)
+            anchor[r] = new_anchor
+
+
+@cute.jit
+def encode(scores: cute.Tensor, anchor: cute.Tensor, coef: Float32):
+    """In place: each raw score becomes ``max(fma(raw, coef, anchor + 2^23), 2^23)``, code in the low byte.
+
+    ``anchor`` is an integer, so ``anchor + 2^23`` is exact and the FMA's single rounding is the RNE of
+    the code; the max clips negative codes (and -inf) to 0. The top score lands on 119 or 120.
+    """
+    magic = Float32(ROUND_MAGIC)
+    for r in cutlass.range_constexpr(2):
+        bias = anchor[r] + magic
+        for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+            scores[r, i] = cute.arch.fmax(cute.math.fma(scores[r, i], coef, bias), magic)
+
+
+@cute.jit
+def pack_codes(codes: cute.Tensor, frag_p: cute.Tensor):
+    """Low bytes of the encoded accumulator -> E4M3 A fragment of the PV wgmma (see layout.py).
+
+    ``frag_p`` is ``((4, 2, 2), 1, K/32)``: 16 bytes per 32-key k-block, word ``r + 2 h`` holding row r,
+    k positions ``4 lane + 16 h + 0..3``. Those take accumulator columns ``2 lane + e + 8 c`` of the
+    k-block's 4 column groups, c = 2h (bytes 0, 1) and 2h + 1 (bytes 2, 3).
+    """
+    words = cute.recast_tensor(codes, Uint32)
+    p_words = cute.recast_tensor(frag_p, Uint32)
+    k_blocks = cute.size(frag_p, mode=[2])
+    for kb in cutlass.range_constexpr(k_blocks):
+        for h in cutlass.range_constexpr(2):
+            for r in cutlass.range_constexpr(2):
+                c = 4 * kb + 2 * h
+                first = byte_perm(words[2 * r + 4 * c], words[1 + 2 * r + 4 * c], LOW_BYTES)
+                second = byte_perm(
+                    words[2 * r + 4 * (c + 1)], words[1 + 2 * r + 4 * (c + 1)], LOW_BYTES
+                )
+                p_words[r + 2 * h + 4 * kb] = byte_perm(first, second, HALVES)
+
+
+@cute.jit
+def online_codes(
+    scores: cute.Tensor,
+    key_coords: cute.Tensor,
+    has_padding: cutlass.Boolean,
+    valid_keys: Int32,
+    m: cute.Tensor,
+    anchor: cute.Tensor,
+    alpha: cute.Tensor,
+    s: Float32,
+    d_k: Float32,
+    is_first: cutlass.Constexpr[bool],
+):
+    """One key tile's softmax step: mask padding keys, fold the max, move the anchor, encode in place."""
+    if has_padding:
+        mask_keys(scores, key_coords, valid_keys)
+    update_max(scores, m, anchor, alpha, s, d_k, is_first)
+    encode(scores, anchor, mul_rn(s, d_k))
+
+
+@cute.jit
+def accumulate(acc_o: cute.Tensor, acc_pv: cute.Tensor, alpha: cute.Tensor, promote: cutlass.Boolean):
+    """Rescale both sums by ``alpha`` (rows whose anchor held have alpha = 1 exactly and skip it), then,
+    if ``promote``, move the wgmma's sum into the FP32 one: ``O += PV`` (l, column 128, included).
+
+    The add stays behind these branches on purpose: it depends on nothing the softmax computes, and
+    hoisted above it, it would make ptxas wait for the PV wgmma before the softmax.
+    """
+    rows, tile = rows_view(acc_o), rows_view(acc_pv)
+    for r in cutlass.range_constexpr(2):
+        if alpha[r] != Float32(1.0):
+            for i in cutlass.range_constexpr(cute.size(rows, mode=[1])):
+                rows[r, i] = rows[r, i] * alpha[r]
+                tile[r, i] = tile[r, i] * alpha[r]
+    if promote:
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = acc_o[i] + acc_pv[i]

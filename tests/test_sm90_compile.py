@@ -1,0 +1,98 @@
+"""CPU checks of the sm90 kernel: the packed-V permutation against the wgmma register layouts, pack_v,
+and a compile for sm_90a whose SASS must show QGMMA and ExpCast's instruction mix (no exp per score)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from openvc_kernels.sm90.layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, PV_N, pack_v
+
+cutlass = pytest.importorskip("cutlass")
+
+SCORES_PER_THREAD = 64
+"""One warpgroup's 64 x 128 score tile over 128 threads."""
+
+
+def _fragment_coords() -> dict:
+    """(row, column) of every (lane, value) of the QK accumulator and the PV A operand, from the DSL."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    script = Path(__file__).with_name("sm90_fragment_coords.py")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, check=True)
+    flat = json.loads(done.stdout.strip().splitlines()[-1])
+    return {name: [[(i % 64, i // 64) for i in row] for row in rows] for name, rows in flat.items()}
+
+
+def test_key_permutation_matches_fragments():
+    """pack_codes puts C values (e, r, c) with c = 4 kb + 2 h + b // 2, e = b % 2 into A byte b of word
+    (r, h) of k-block kb; A position p must then carry key chunk_key(p) of the same row."""
+    coords = _fragment_coords()
+    for lane in range(128):
+        for value_a, (row_a, k) in enumerate(coords["a"][lane]):
+            byte, r, h = value_a % 4, (value_a // 4) % 2, value_a // 8
+            c = 2 * h + byte // 2
+            row_c, key = coords["c"][lane][byte % 2 + 2 * r + 4 * c]
+            assert row_c == row_a
+            assert key == KEY_PERMUTATION[k % CHUNK] + CHUNK * (k // CHUNK)
+
+
+def test_pack_v_bytes():
+    torch.manual_seed(0)
+    seq_len = 200
+    v8 = torch.randn(2, 3, seq_len, HEAD_DIM).to(torch.float8_e4m3fn)
+    packed = pack_v(v8)
+    assert packed.shape == (2, 3, PV_N, 256) and packed.dtype == torch.uint8
+    raw = v8.view(torch.uint8)
+    for position in range(256):
+        key = position // CHUNK * CHUNK + KEY_PERMUTATION[position % CHUNK]
+        if key < seq_len:
+            assert torch.equal(packed[:, :, :HEAD_DIM, position], raw[:, :, key])
+            assert (packed[:, :, HEAD_DIM:, position] == E4M3_ONE).all()
+        else:
+            assert (packed[:, :, :, position] == 0).all()
+
+
+@pytest.fixture(scope="module")
+def sass(tmp_path_factory) -> str:
+    dump = tmp_path_factory.mktemp("sass")
+    env = dict(
+        os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="sass", CUTE_DSL_DUMP_DIR=str(dump),
+        CUTE_DSL_COMPILER_OPT="remarks{ptx}",
+    )
+    script = "from openvc_kernels.ops import compile_attention; compile_attention(plain_order=False)"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    if done.returncode != 0 and "nvdisasm" in done.stderr:
+        pytest.skip("SASS dump needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert " 0 bytes spill stores" in done.stderr, "the kernel spills registers"
+    assert "wgmma" not in done.stderr.lower(), "ptxas serialized the wgmmas"
+    files = sorted(Path(dump).glob("*.sass"))
+    assert len(files) == 1
+    return files[0].read_text()
+
+
+def _opcodes(sass: str) -> Counter:
+    instruction = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+[.A-Z0-9]*)"
+    return Counter(m.group(1) for m in re.finditer(instruction, sass))
+
+
+def test_sass_has_fp8_wgmma(sass):
+    ops = _opcodes(sass)
+    assert sum(n for op, n in ops.items() if op.startswith("QGMMA")) >= 16
+
+
+def test_sass_has_no_exp_per_score(sass):
+    """One MUFU.EX2 per row for the rescale at most; ExpCast is FFMA + FMNMX + PRMT per score."""
+    ops = _opcodes(sass)
+    count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))
+    assert count("MUFU.EX2") <= 4
+    assert count("FFMA") >= 2 * SCORES_PER_THREAD
+    assert count("PRMT") >= 2 * SCORES_PER_THREAD * 3 // 4
+    conversions = sum(n for op, n in ops.items() if op.split(".")[0] in ("F2I", "F2F"))
+    assert conversions == 0, "a score is converted instead of bit-packed"

@@ -1,0 +1,138 @@
+"""The sm90 kernel against the bit-faithful reference, on a Hopper GPU (skipped elsewhere)."""
+
+import pytest
+import torch
+
+from openvc_kernels.ops import attention, attention_prepared, prepare
+from openvc_kernels.sm90.layout import Prepared, prepare_reference
+from openvc_kernels.reference import reference_attention
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="needs a Hopper GPU",
+    ),
+]
+
+REL_L2 = 1e-3
+"""Against the reference when Q8 . K8 is exact (the kernel's FP32 PV sums differ only in order)."""
+REL_L2_RANDOM = 1e-2
+"""On N(0, 1) inputs: the FP8 wgmma sums Q8 . K8 with ~14 significant bits (cuBLAS FP8 GEMMs measured
+the same, 4e-4 of the largest score), so a few codes sit one step from the reference's (measured
+rel-L2 2.4e-3 .. 4.8e-3 for S = 127 .. 32760, against 5.5% for the FP8 quantization itself)."""
+EXACT_CHANNELS = 8
+
+
+def _rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _inputs(batch, s_q, s_k, heads, dtype=torch.bfloat16):
+    # Fresh random inputs on every call: no seed.
+    q = torch.randn(batch, s_q, heads, 128, device="cuda", dtype=dtype)
+    k = torch.randn(batch, s_k, heads, 128, device="cuda", dtype=dtype)
+    v = torch.randn(batch, s_k, heads, 128, device="cuda", dtype=dtype)
+    return q, k, v
+
+
+def _exact_score_inputs(batch, s_q, s_k, heads):
+    """q, k in {-1, 0, 1} on 8 channels, every 128-token block holding a 1: Q8 . K8 is a small multiple
+    of 448^2, exact however the FP8 wgmma accumulates, so the kernel's codes must equal the reference's."""
+
+    def ternary(seq):
+        x = torch.zeros(batch, seq, heads, 128, device="cuda")
+        x[..., :EXACT_CHANNELS] = torch.randint(-1, 2, (batch, seq, heads, EXACT_CHANNELS), device="cuda").float()
+        x[:, ::128, :, 0] = 1.0
+        return x.bfloat16()
+
+    return ternary(s_q), ternary(s_k), torch.randn(batch, s_k, heads, 128, device="cuda", dtype=torch.bfloat16)
+
+
+def _run_poisoned(q, k, v, window=4) -> torch.Tensor:
+    """The forward kernel, on the PyTorch preparation, into a NaN-filled output: every element must be written."""
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    attention_prepared(prepare_reference(q, k, v), out, softmax_scale=q.shape[-1] ** -0.5, window=window)
+    torch.cuda.synchronize()
+    assert not out.isnan().any(), "output elements left unwritten"
+    return out
+
+
+@pytest.mark.parametrize(
+    "batch,seq,heads",
+    [
+        (1, 1, 1),
+        (1, 127, 1),
+        (1, 128, 12),
+        (2, 129, 1),
+        (2, 1000, 12),
+        (1, 4096, 12),
+        (2, 4096, 1),
+        (1, 32760, 12),
+        (1, 75600, 1),
+    ],
+)
+def test_matches_reference_on_exact_scores(batch, seq, heads):
+    q, k, v = _exact_score_inputs(batch, seq, seq, heads)
+    out = _run_poisoned(q, k, v)
+    assert _rel_l2(out, reference_attention(q, k, v)) <= REL_L2
+
+
+@pytest.mark.parametrize("seq,heads", [(127, 1), (1000, 12), (32760, 12)])
+def test_matches_reference_on_random_inputs(seq, heads):
+    q, k, v = _inputs(1, seq, seq, heads)
+    out = _run_poisoned(q, k, v)
+    assert _rel_l2(out, reference_attention(q, k, v)) <= REL_L2_RANDOM
+
+
+@pytest.mark.parametrize("window", [None, 0, 1, 4, 100])
+def test_visiting_orders(window):
+    q, k, v = _exact_score_inputs(1, 1500, 1500, 2)
+    out = _run_poisoned(q, k, v, window)
+    assert _rel_l2(out, reference_attention(q, k, v, window=window)) <= REL_L2
+
+
+def test_fp16_and_cross_lengths():
+    q, k, v = (x.half() for x in _exact_score_inputs(2, 300, 777, 3))
+    out = attention(q, k, v, softmax_scale=0.1)
+    assert _rel_l2(out, reference_attention(q, k, v, softmax_scale=0.1)) <= REL_L2
+
+
+def test_repeated_calls_are_bitwise_identical():
+    q, k, v = _inputs(1, 4096, 4096, 12)
+    first = attention(q, k, v)
+    for _ in range(3):
+        assert torch.equal(attention(q, k, v), first)
+
+
+def test_rejects_bad_inputs():
+    q, k, v = _inputs(1, 128, 128, 1)
+    with pytest.raises(ValueError, match="head_dim"):
+        attention(q[..., :64], k[..., :64], v[..., :64])
+    with pytest.raises(ValueError, match="float32"):
+        attention(q.float(), k.float(), v.float())
+    assert isinstance(prepare(q, k, v), Prepared)
+
+
+def test_complete_call_matches_reference():
+    """The fused preparation plus the kernel, through the public entry point."""
+    q, k, v = _exact_score_inputs(2, 4100, 4100, 3)
+    assert _rel_l2(attention(q, k, v), reference_attention(q, k, v)) <= REL_L2
+
+
+def test_cuda_graph_replay_after_inputs_change():
+    q, k, v = _inputs(2, 3000, 3000, 4)
+    attention(q, k, v)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = attention(q, k, v)
+    for x in (q, k, v):
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(static_out, attention(q, k, v))
+
+
+def test_torch_compile_traces_the_custom_op():
+    q, k, v = _inputs(1, 2000, 2000, 2)
+    compiled = torch.compile(lambda q, k, v: attention(q, k, v).float() * 2, fullgraph=True)
+    assert torch.equal(compiled(q, k, v), attention(q, k, v).float() * 2)
