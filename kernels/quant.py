@@ -46,6 +46,16 @@ def quantize_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _e4m3(x * scale[..., None, None]), descale
 
 
+def smooth_keys(k: torch.Tensor) -> torch.Tensor:
+    """K minus its per-channel mean over the sequence, per head, in FP32: ``(B, H, S, D)``.
+
+    Every score of a query row moves by the same ``q . mean``, so softmax is unchanged in exact math, while
+    the per-block K scales stop being set by channel offsets that video DiTs carry.
+    """
+    k = k.float()
+    return k - k.mean(dim=2, keepdim=True)
+
+
 def v_residual(v: torch.Tensor, v8: torch.Tensor, d_v: torch.Tensor) -> torch.Tensor:
     """What per-head quantization lost: ``r = V - d_V * V8`` in FP32, ``(B, H, S, D)``."""
     return v.float() - d_v[..., None, None] * v8.float()

@@ -23,6 +23,7 @@ from .quant import (
     quantize_repair_rows,
     repair_count,
     select_repair_tokens,
+    smooth_keys,
     v_residual,
 )
 from .validation import check_attention_args
@@ -57,11 +58,13 @@ def reference_attention(
     softmax_scale: float | None = None,
     repair_ratio: float = 0.0,
     window: int | None = 4,
+    smooth_k: bool = False,
 ) -> torch.Tensor:
     """Open-VC attention on ``(B, S, H, D)`` inputs (fp16, bf16 or fp32), BF16 output ``(B, S_q, H, D)``.
 
     ``softmax_scale`` defaults to ``1 / sqrt(D)``; ``repair_ratio`` is rho of V residual repair (0 = off);
-    ``window`` is the mid-window traversal's look-ahead in tiles (``None`` = plain order).
+    ``window`` is the mid-window traversal's look-ahead in tiles (``None`` = plain order); ``smooth_k``
+    subtracts each head's per-channel mean of K before quantizing (``quant.smooth_keys``).
     """
     check_attention_args(q, k, v, repair_ratio=repair_ratio, window=window)
     batch, s_q, heads, dim = q.shape
@@ -70,7 +73,8 @@ def reference_attention(
     n_q, n_k = num_blocks(s_q), num_blocks(s_k)
 
     q8, d_q = quantize_per_block(q.transpose(1, 2))
-    k8, d_k = quantize_per_block(k.transpose(1, 2))
+    k_heads = k.transpose(1, 2)
+    k8, d_k = quantize_per_block(smooth_keys(k_heads) if smooth_k else k_heads)
     v_heads = v.transpose(1, 2)
     v8, d_v = quantize_per_head(v_heads)
 

@@ -42,10 +42,10 @@ def run(
             warn_once(
                 f"repair_ratio {config.repair_ratio}: the Hopper kernel has no V residual repair yet; running without it"
             )
-        return openvc_kernels.attention(q, k, v, window=config.window).to(q.dtype)
+        return openvc_kernels.attention(q, k, v, window=config.window, smooth_k=config.smooth_k).to(q.dtype)
     if decision.backend == OPENVC_REFERENCE:
         warn_once(REFERENCE_WARNING)
-        return run_reference(q, k, v, repair_ratio=config.repair_ratio, window=config.window)
+        return run_reference(q, k, v, config)
     if decision.backend == FA4:
         return run_fa4(q, k, v)
     return run_sdpa(q, k, v, attn_mask=attn_mask, attention_backend=attention_backend)

@@ -48,6 +48,9 @@ def run_sdpa(q, k, v, attn_mask=None, attention_backend=None) -> torch.Tensor:
     return dispatch_attention_fn(q, k, v, attn_mask=attn_mask, backend=attention_backend)
 
 
-def run_reference(q, k, v, *, repair_ratio: float, window: int | None) -> torch.Tensor:
-    out = openvc_kernels.reference_attention(q, k, v, repair_ratio=repair_ratio, window=window)
+def run_reference(q, k, v, config) -> torch.Tensor:
+    """The reference with the config's Open-VC settings, in q's dtype."""
+    out = openvc_kernels.reference_attention(
+        q, k, v, repair_ratio=config.repair_ratio, window=config.window, smooth_k=config.smooth_k
+    )
     return out.to(q.dtype)

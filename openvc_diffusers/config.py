@@ -33,6 +33,8 @@ class OpenVCConfig:
     repair_ratio: float = 0.005
     # Mid-window traversal width w; None keeps plain key-block order.
     window: int | None = 4
+    # Subtract each head's per-channel mean of K before quantizing (softmax is unchanged in exact math).
+    smooth_k: bool = False
     # Backend for cross-attention (text/image context).
     cross_attention: str = "sdpa"
     # Layer indices forced to BF16 (the backends chain without "openvc").
@@ -49,6 +51,7 @@ class OpenVCConfig:
             "min_tokens": _int("min_tokens", self.min_tokens, minimum=0),
             "repair_ratio": _ratio("repair_ratio", self.repair_ratio),
             "window": _int("window", self.window, minimum=0, none_ok=True),
+            "smooth_k": _bool("smooth_k", self.smooth_k),
             "cross_attention": _backend("cross_attention", self.cross_attention),
             "bf16_layers": _indices("bf16_layers", self.bf16_layers),
             "bf16_steps": _indices("bf16_steps", self.bf16_steps),
@@ -64,6 +67,7 @@ class OpenVCConfig:
             "min_tokens": self.min_tokens,
             "repair_ratio": self.repair_ratio,
             "window": self.window,
+            "smooth_k": self.smooth_k,
             "cross_attention": self.cross_attention,
             "bf16_layers": sorted(self.bf16_layers),
             "bf16_steps": sorted(self.bf16_steps),
@@ -144,6 +148,12 @@ def _int(key: str, value: Any, minimum: int, none_ok: bool = False) -> int | Non
     # bool is an int subclass, but `min_tokens: true` is a mistake, not 1.
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         _fail(key, value, f"an int >= {minimum}" + (" or null" if none_ok else ""))
+    return value
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        _fail(key, value, "true or false")
     return value
 
 

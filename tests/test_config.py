@@ -220,3 +220,9 @@ def test_shipped_configs_load(name):
     config = load_config(Path(__file__).parents[1] / "configs" / f"{name}.yaml")
     if name.startswith("ulysses"):
         assert config.ulysses_degree == int(name.removeprefix("ulysses"))
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_smooth_k_takes_a_bool(value):
+    with pytest.raises(ConfigError, match=f"smooth_k: got {value!r}; expected true or false"):
+        load_config({"smooth_k": value})

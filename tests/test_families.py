@@ -190,7 +190,7 @@ def test_hunyuan_video_ragged_text_masks_keep_the_mask(caplog):
 def test_trimming_to_the_valid_prefix_is_exact(name, monkeypatch):
     # Exact attention in place of the reference, in float64: the trimmed, unmasked call attends over what the
     # stock masked call does, so the outputs agree to float64 rounding.
-    monkeypatch.setattr(attention_module, "run_reference", lambda q, k, v, **_: dispatch_attention_fn(q, k, v))
+    monkeypatch.setattr(attention_module, "run_reference", lambda q, k, v, *_: dispatch_attention_fn(q, k, v))
     model, inputs = build(name, dtype=torch.float64)
     stock = forward(model, inputs)
     processor = openvc_diffusers.apply(model, {"min_tokens": 0})

@@ -7,6 +7,7 @@ import torch
 from conftest import exact_attention, rel_l2
 
 import openvc_diffusers
+import openvc_kernels
 from openvc_diffusers import OpenVCProcessor
 from openvc_diffusers.tiny import TINY_VIDEO, tiny_wan_inputs, tiny_wan_pipeline, tiny_wan_transformer
 
@@ -93,5 +94,5 @@ def test_apply_rejects_unsupported_models():
 def test_attention_function_on_cpu_uses_the_reference():
     q, k, v = (torch.randn(1, 300, 2, 128, dtype=torch.bfloat16) for _ in range(3))
     out = openvc_diffusers.attention(q, k, v, {"min_tokens": 0, "repair_ratio": 0.0})
-    assert torch.equal(out, openvc_diffusers.backends.run_reference(q, k, v, repair_ratio=0.0, window=4))
+    assert torch.equal(out, openvc_kernels.reference_attention(q, k, v, repair_ratio=0.0, window=4))
     assert rel_l2(out, exact_attention(q, k, v)) < 0.065

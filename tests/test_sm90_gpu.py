@@ -136,3 +136,10 @@ def test_torch_compile_traces_the_custom_op():
     q, k, v = _inputs(1, 2000, 2000, 2)
     compiled = torch.compile(lambda q, k, v: attention(q, k, v).float() * 2, fullgraph=True)
     assert torch.equal(compiled(q, k, v), attention(q, k, v).float() * 2)
+
+
+def test_smooth_k_matches_reference():
+    q, k, v = _inputs(1, 2000, 2000, 2)
+    k[..., :4] += 20.0
+    out = attention(q, k, v, smooth_k=True)
+    assert _rel_l2(out, reference_attention(q, k, v, smooth_k=True)) <= REL_L2_RANDOM

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..quant import BLOCK, quantize_per_block, quantize_per_head
+from ..quant import BLOCK, quantize_per_block, quantize_per_head, smooth_keys
 
 HEAD_DIM = 128
 ONES_ROWS = 8
@@ -81,10 +81,12 @@ class Prepared(NamedTuple):
     seqlen_k: int
 
 
-def prepare_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
-    """The preparation in PyTorch, from ``(B, S, H, 128)`` q, k, v: the bytes the fused kernels must write."""
+def prepare_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = False) -> Prepared:
+    """The preparation in PyTorch, from ``(B, S, H, 128)`` q, k, v: the bytes the fused kernels must write.
+    ``smooth_k`` as in ``reference_attention``."""
     q8, d_q = quantize_per_block(q.transpose(1, 2))
-    k8, d_k = quantize_per_block(k.transpose(1, 2))
+    k_heads = k.transpose(1, 2)
+    k8, d_k = quantize_per_block(smooth_keys(k_heads) if smooth_k else k_heads)
     v8, d_v = quantize_per_head(v.transpose(1, 2))
     q8, k8 = (x.contiguous().view(torch.uint8) for x in (q8, k8))
     return Prepared(q8, d_q.contiguous(), k8, d_k.contiguous(), pack_v(v8), d_v.contiguous(), k.shape[1])

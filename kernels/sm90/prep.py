@@ -101,8 +101,12 @@ def _block_absmax(x: cute.TensorSSA, reduction_buffer: cute.Tensor) -> Float32:
     """max |x| over the CTA, returned to every thread. ``reduction_buffer``: smem (WARPS,) fp32."""
     a = cute.math.abs(x).reduce(cute.ReductionOp.MAX, init_val=Float32(0.0), reduction_profile=0)
     a = cute.arch.warp_reduction_max(a)
-    if cute.arch.lane_idx() == 0:
-        reduction_buffer[cute.arch.warp_idx()] = a
+    # warp_idx() lowers to shfl.sync.idx with the full-warp mask (make_warp_uniform): it must run here, with
+    # the warp converged. Inside `if lane == 0` only lane 0 executes it (undefined in PTX; in SASS lane 0
+    # WARPSYNC.ALL-waits for lanes that are already at bar.sync 0: the H200 hang, notes/prep.md).
+    lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+    if lane == 0:
+        reduction_buffer[warp] = a
     cute.arch.barrier()
     a = reduction_buffer[0]
     for w in cutlass.range_constexpr(1, WARPS):

@@ -14,6 +14,19 @@ from ..parallel import heads_to_sequence, sequence_to_heads, ulysses_group
 from ..policy import SDPA, Call, decide
 
 
+def context_qkv(attn: torch.nn.Module, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The text stream's query, key and value in joint-attention models (HunyuanVideo, Mochi), as their
+    stock processors compute them: added projections, heads split, ``norm_added_q`` / ``norm_added_k``."""
+    query, key, value = (
+        proj(context).unflatten(2, (attn.heads, -1)) for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+    )
+    if attn.norm_added_q is not None:
+        query = attn.norm_added_q(query)
+    if attn.norm_added_k is not None:
+        key = attn.norm_added_k(key)
+    return query, key, value
+
+
 class OpenVCProcessorBase:
     """Base of the family processors; ``config`` is anything ``openvc_diffusers.load_config`` takes.
 

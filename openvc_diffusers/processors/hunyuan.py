@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
 
-from .base import OpenVCProcessorBase
+from .base import OpenVCProcessorBase, context_qkv
 
 
 def valid_prefix_length(mask: torch.Tensor) -> int | None:
@@ -73,18 +73,7 @@ class HunyuanVideoOpenVCProcessor(OpenVCProcessorBase):
 
         # 4. Encoder condition QKV projection and normalization
         if attn.add_q_proj is not None and encoder_hidden_states is not None:
-            encoder_query = attn.add_q_proj(encoder_hidden_states)
-            encoder_key = attn.add_k_proj(encoder_hidden_states)
-            encoder_value = attn.add_v_proj(encoder_hidden_states)
-
-            encoder_query = encoder_query.unflatten(2, (attn.heads, -1))
-            encoder_key = encoder_key.unflatten(2, (attn.heads, -1))
-            encoder_value = encoder_value.unflatten(2, (attn.heads, -1))
-
-            if attn.norm_added_q is not None:
-                encoder_query = attn.norm_added_q(encoder_query)
-            if attn.norm_added_k is not None:
-                encoder_key = attn.norm_added_k(encoder_key)
+            encoder_query, encoder_key, encoder_value = context_qkv(attn, encoder_hidden_states)
 
             query = torch.cat([query, encoder_query], dim=1)
             key = torch.cat([key, encoder_key], dim=1)
@@ -146,18 +135,7 @@ class HunyuanVideo15OpenVCProcessor(OpenVCProcessorBase):
 
         # 4. Encoder condition QKV projection and normalization
         if encoder_hidden_states is not None:
-            encoder_query = attn.add_q_proj(encoder_hidden_states)
-            encoder_key = attn.add_k_proj(encoder_hidden_states)
-            encoder_value = attn.add_v_proj(encoder_hidden_states)
-
-            encoder_query = encoder_query.unflatten(2, (attn.heads, -1))
-            encoder_key = encoder_key.unflatten(2, (attn.heads, -1))
-            encoder_value = encoder_value.unflatten(2, (attn.heads, -1))
-
-            if attn.norm_added_q is not None:
-                encoder_query = attn.norm_added_q(encoder_query)
-            if attn.norm_added_k is not None:
-                encoder_key = attn.norm_added_k(encoder_key)
+            encoder_query, encoder_key, encoder_value = context_qkv(attn, encoder_hidden_states)
 
             query = torch.cat([query, encoder_query], dim=1)
             key = torch.cat([key, encoder_key], dim=1)

@@ -9,7 +9,7 @@ without its padding, so every call is unmasked (kind "self": it is the video tok
 import torch
 import torch.nn.functional as F
 
-from .base import OpenVCProcessorBase
+from .base import OpenVCProcessorBase, context_qkv
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -47,18 +47,7 @@ class MochiOpenVCProcessor(OpenVCProcessorBase):
         if attn.norm_k is not None:
             key = attn.norm_k(key)
 
-        encoder_query = attn.add_q_proj(encoder_hidden_states)
-        encoder_key = attn.add_k_proj(encoder_hidden_states)
-        encoder_value = attn.add_v_proj(encoder_hidden_states)
-
-        encoder_query = encoder_query.unflatten(2, (attn.heads, -1))
-        encoder_key = encoder_key.unflatten(2, (attn.heads, -1))
-        encoder_value = encoder_value.unflatten(2, (attn.heads, -1))
-
-        if attn.norm_added_q is not None:
-            encoder_query = attn.norm_added_q(encoder_query)
-        if attn.norm_added_k is not None:
-            encoder_key = attn.norm_added_k(encoder_key)
+        encoder_query, encoder_key, encoder_value = context_qkv(attn, encoder_hidden_states)
 
         if image_rotary_emb is not None:
             query = apply_rotary_emb(query, *image_rotary_emb)
