@@ -1,16 +1,24 @@
 """Time the sm90 preparation at Wan 14B 720p (S = 75,600, H = 40, bf16) against a device copy; prints JSON.
 
-Run on a Hopper GPU: ``python tests/bench_sm90_prep.py``. Bytes count reads plus writes.
+Run on a Hopper GPU: ``python notes/bench_sm90_prep.py``. Bytes count reads plus writes.
+
+``python notes/bench_sm90_prep.py --smoke KIND`` (KIND: quantize_per_block, absmax_per_head, pack_v) compiles
+and launches that one kernel alone, synchronizes and compares with the PyTorch reference at a few small
+shapes, printing a line after every step; run each KIND in its own process under ``timeout 60``
+(notes/prep.md, "Hang analysis").
 """
 
 import faulthandler
 import json
+import os
+import sys
+import time
 
 import torch
 
 from openvc_kernels.quant import BLOCK, num_blocks, quantize_per_block, quantize_per_head
 from openvc_kernels.sm90 import prep
-from openvc_kernels.sm90.layout import PV_N, pack_v
+from openvc_kernels.sm90.layout import PV_N, pack_v, prepare_reference
 
 BATCH, SEQ_LEN, HEADS, HEAD_DIM = 1, 75_600, 40, 128
 ITERS = 20
@@ -75,5 +83,50 @@ def main() -> None:
     print(json.dumps({"torch reference prepare": {"ms": round(_ms(torch_reference), 3)}}), flush=True)
 
 
+SMOKE_SHAPES = ((1, 1, 1), (1, 129, 3), (2, 4100, 12))
+"""(B, S, H): the first GPU test's shape (the one that hung), a partial second block, several blocks."""
+
+
+def smoke(kind: str) -> None:
+    """One kernel alone: compile, launch, synchronize, compare bytes; a print after each step."""
+    faulthandler.dump_traceback_later(float(os.environ.get("SMOKE_WATCHDOG_S", 45)), exit=True)
+    say = lambda **kw: print(json.dumps({"kind": kind, **kw}), flush=True)
+    t = time.perf_counter()
+    fn = prep.compile_prep(kind, torch.bfloat16)
+    say(step="compiled", s=round(time.perf_counter() - t, 2))
+    for batch, seq_len, heads in SMOKE_SHAPES:
+        shape = dict(B=batch, S=seq_len, H=heads)
+        x = torch.randn(batch, seq_len, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        ref = prepare_reference(x, x, x)
+        out = prep.empty_prepared(batch, seq_len, seq_len, heads, "cuda")
+        for buf in out[:-1]:
+            buf.view(torch.uint8).fill_(0x7F)
+        xk = prep._kernel_ready(x)
+        torch.cuda.synchronize()
+        say(step="launch", **shape)
+        if kind == "quantize_per_block":
+            fn(xk, out.q8, out.d_q)
+        elif kind == "absmax_per_head":
+            amax = torch.zeros(batch, heads, device="cuda")
+            fn(xk, amax)
+        else:
+            amax = x.float().abs().amax(dim=(1, 3))  # what absmax_per_head computes, exactly
+            fn(xk, amax, out.v_packed, out.d_v)
+        say(step="launched (async)", **shape)
+        torch.cuda.synchronize()
+        say(step="synchronized", **shape)
+        if kind == "quantize_per_block":
+            same = torch.equal(out.q8, ref.q8) and torch.equal(out.d_q.view(torch.int32), ref.d_q.view(torch.int32))
+        elif kind == "absmax_per_head":
+            same = torch.equal(amax, x.float().abs().amax(dim=(1, 3)))
+        else:
+            same = torch.equal(out.v_packed, ref.v_packed)
+            same = same and torch.equal(out.d_v.view(torch.int32), ref.d_v.view(torch.int32))
+        say(step="compared", identical=bool(same), **shape)
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 2 and sys.argv[1] == "--smoke":
+        smoke(sys.argv[2])
+    else:
+        main()

@@ -16,6 +16,8 @@ class StepTracker:
         self.step: int | None = None
         self._last: float | None = None
 
+    # Reading the timestep's value needs the host: run eagerly under torch.compile rather than break the graph.
+    @torch.compiler.disable
     def __call__(self, module, args, kwargs) -> None:
         timestep = kwargs.get("timestep")
         if timestep is None:

@@ -96,3 +96,13 @@ def test_attention_function_on_cpu_uses_the_reference():
     out = openvc_diffusers.attention(q, k, v, {"min_tokens": 0, "repair_ratio": 0.0})
     assert torch.equal(out, openvc_kernels.reference_attention(q, k, v, repair_ratio=0.0, window=4))
     assert rel_l2(out, exact_attention(q, k, v)) < 0.065
+
+
+def test_torch_compile_of_the_transformer_gives_the_eager_output():
+    model, inputs = tiny_wan_transformer(), tiny_wan_inputs()
+    openvc_diffusers.apply(model, {"min_tokens": 0})
+    with torch.no_grad():
+        eager = model(**inputs)[0]
+        # aot_eager traces everything torch.compile traces, without a C++ toolchain for inductor.
+        compiled = torch.compile(model, backend="aot_eager")(**inputs)[0]
+    assert torch.equal(compiled, eager)

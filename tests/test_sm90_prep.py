@@ -55,7 +55,29 @@ for kind in prep_kinds:
     for dtype in (torch.bfloat16, torch.float16):
         ptx = prep.compile_prep(kind, dtype).artifacts.PTX
         ops = collections.Counter(re.findall(r"^\\s+(?:@%p\\d+\\s+)?([a-z][a-z0-9_.:]*)", ptx, re.M))
-        out[f"{kind}/{dtype}"] = {"ops": ops, "target": re.search(r"\\.target\\s+(\\S+)", ptx).group(1)}
+        # Warp/CTA synchronisation inside a conditional region (between `@%p bra L` and `L:`), and loops.
+        open_targets, seen_labels, divergent_sync, backward = set(), set(), [], []
+        for line in ptx.splitlines():
+            line = line.strip()
+            label = re.match(r"^(\\$L__\\w+):", line)
+            if label:
+                open_targets.discard(label.group(1))
+                seen_labels.add(label.group(1))
+                continue
+            branch = re.match(r"^(@!?%p\\d+\\s+)?bra(?:\\.uni)?\\s+(\\$L__\\w+);", line)
+            if branch:
+                if branch.group(2) in seen_labels:
+                    backward.append(line)
+                if branch.group(1):
+                    open_targets.add(branch.group(2))
+            elif open_targets and re.match(r"^(shfl|bar|barrier|vote|match|redux|activemask)[.\\s]", line):
+                divergent_sync.append(line)
+        out[f"{kind}/{dtype}"] = {
+            "ops": ops,
+            "target": re.search(r"\\.target\\s+(\\S+)", ptx).group(1),
+            "divergent_sync": divergent_sync,
+            "backward_branches": backward,
+        }
 print(json.dumps(out))
 """
 
@@ -77,6 +99,11 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
     compiled = ptx_ops[f"{kind}/{dtype}"]
     ops = compiled["ops"]
     assert compiled["target"] == "sm_90a"
+    # No shfl.sync / bar.sync under a divergent branch: make_warp_uniform (warp_idx) inside `if lane == 0`
+    # put a full-mask shfl.sync there, which deadlocks against bar.sync 0 (the H200 hang, notes/prep.md).
+    assert compiled["divergent_sync"] == [], compiled["divergent_sync"]
+    # Straight-line kernels: no loops, so a launch always terminates once every thread reaches bar.sync 0.
+    assert compiled["backward_branches"] == [], compiled["backward_branches"]
     count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))
     # The block is read once, with 16-byte loads: 8 per thread.
     assert ops.get("ld.global.v4.b32") == 8
