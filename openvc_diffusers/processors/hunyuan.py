@@ -21,6 +21,24 @@ def valid_prefix_length(mask: torch.Tensor) -> int | None:
     return n if bool((mask == prefix).all()) else None
 
 
+def output_projection(attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None):
+    """Split the joint output back into video and text and project each, as both HunyuanVideo processors do."""
+    if encoder_hidden_states is not None:
+        hidden_states, encoder_hidden_states = (
+            hidden_states[:, : -encoder_hidden_states.shape[1]],
+            hidden_states[:, -encoder_hidden_states.shape[1] :],
+        )
+
+        if getattr(attn, "to_out", None) is not None:
+            hidden_states = attn.to_out[0](hidden_states)
+            hidden_states = attn.to_out[1](hidden_states)
+
+        if getattr(attn, "to_add_out", None) is not None:
+            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+
+    return hidden_states, encoder_hidden_states
+
+
 class HunyuanVideoOpenVCProcessor(OpenVCProcessorBase):
     """``HunyuanVideoAttnProcessor2_0`` (dual- and single-stream blocks) with attention through Open-VC."""
 
@@ -88,20 +106,7 @@ class HunyuanVideoOpenVCProcessor(OpenVCProcessorBase):
         )
 
         # 6. Output projection
-        if encoder_hidden_states is not None:
-            hidden_states, encoder_hidden_states = (
-                hidden_states[:, : -encoder_hidden_states.shape[1]],
-                hidden_states[:, -encoder_hidden_states.shape[1] :],
-            )
-
-            if getattr(attn, "to_out", None) is not None:
-                hidden_states = attn.to_out[0](hidden_states)
-                hidden_states = attn.to_out[1](hidden_states)
-
-            if getattr(attn, "to_add_out", None) is not None:
-                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
-
-        return hidden_states, encoder_hidden_states
+        return output_projection(attn, hidden_states, encoder_hidden_states)
 
 
 class HunyuanVideo15OpenVCProcessor(OpenVCProcessorBase):
@@ -156,17 +161,4 @@ class HunyuanVideo15OpenVCProcessor(OpenVCProcessorBase):
         )
 
         # 6. Output projection
-        if encoder_hidden_states is not None:
-            hidden_states, encoder_hidden_states = (
-                hidden_states[:, : -encoder_hidden_states.shape[1]],
-                hidden_states[:, -encoder_hidden_states.shape[1] :],
-            )
-
-            if getattr(attn, "to_out", None) is not None:
-                hidden_states = attn.to_out[0](hidden_states)
-                hidden_states = attn.to_out[1](hidden_states)
-
-            if getattr(attn, "to_add_out", None) is not None:
-                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
-
-        return hidden_states, encoder_hidden_states
+        return output_projection(attn, hidden_states, encoder_hidden_states)
