@@ -66,12 +66,32 @@ def repair_count(seq_len: int, ratio: float) -> int:
     return int(round(ratio * seq_len))
 
 
-def select_repair_tokens(residual: torch.Tensor, count: int) -> torch.Tensor:
-    """Per head, the ``count`` tokens of largest residual energy ``sum_c r^2``: ``(B, H, count)`` int64.
+REPAIR_RANKINGS = ("attention", "energy")
+MASS_SAMPLE_ROWS = 64
+"""Query rows, evenly spaced, whose attention estimates how much each key matters for repair ranking."""
+
+
+def attention_mass(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """Mean squared softmax probability each key gets from ``MASS_SAMPLE_ROWS`` evenly spaced query rows
+    (exact FP32 softmax on ``(B, H, S, D)`` q, k): ``(B, H, S_k)``.
+
+    A residual ``r_j`` adds ``p_ij r_j`` to row i's error, so its squared error over rows goes as
+    ``sum_i p_ij^2 |r_j|^2``.
+    """
+    rows = torch.linspace(0, q.shape[2] - 1, min(MASS_SAMPLE_ROWS, q.shape[2]), device=q.device).round().long()
+    scores = (q[:, :, rows].float() @ k.float().transpose(-1, -2)) * softmax_scale
+    return torch.softmax(scores, dim=-1).square().mean(dim=2)
+
+
+def select_repair_tokens(residual: torch.Tensor, count: int, key_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Per head, the ``count`` tokens of largest residual energy ``sum_c r^2`` (times ``key_weight``, e.g. the
+    ``attention_mass``, where given): ``(B, H, count)`` int64.
 
     Ties go to the lower token index (stable sort), so every implementation picks the same tokens.
     """
     energy = residual.square().sum(dim=-1)
+    if key_weight is not None:
+        energy = energy * key_weight
     order = torch.sort(energy, dim=-1, descending=True, stable=True).indices
     return order[..., :count]
 

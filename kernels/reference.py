@@ -17,6 +17,7 @@ import torch
 from .expcast import CODES_PER_NAT, anchored_encode, code_anchor, expcast_decode
 from .quant import (
     BLOCK,
+    attention_mass,
     num_blocks,
     quantize_per_block,
     quantize_per_head,
@@ -59,14 +60,17 @@ def reference_attention(
     repair_ratio: float = 0.0,
     window: int | None = 4,
     smooth_k: bool = False,
+    repair_ranking: str = "attention",
 ) -> torch.Tensor:
     """Open-VC attention on ``(B, S, H, D)`` inputs (fp16, bf16 or fp32), BF16 output ``(B, S_q, H, D)``.
 
     ``softmax_scale`` defaults to ``1 / sqrt(D)``; ``repair_ratio`` is rho of V residual repair (0 = off);
     ``window`` is the mid-window traversal's look-ahead in tiles (``None`` = plain order); ``smooth_k``
-    subtracts each head's per-channel mean of K before quantizing (``quant.smooth_keys``).
+    subtracts each head's per-channel mean of K before quantizing (``quant.smooth_keys``);
+    ``repair_ranking`` orders repair candidates by residual energy times ``quant.attention_mass``
+    ("attention") or by residual energy alone ("energy").
     """
-    check_attention_args(q, k, v, repair_ratio=repair_ratio, window=window)
+    check_attention_args(q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking)
     batch, s_q, heads, dim = q.shape
     s_k = k.shape[1]
     tau = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(dim)
@@ -110,7 +114,8 @@ def reference_attention(
     count = repair_count(s_k, repair_ratio)
     if count > 0:
         residual = v_residual(v_heads, v8, d_v)
-        tokens = select_repair_tokens(residual, count)
+        mass = attention_mass(q.transpose(1, 2), k_heads, tau) if repair_ranking == "attention" else None
+        tokens = select_repair_tokens(residual, count, mass)
         v_repair = quantize_repair_rows(residual, tokens, d_v).float()
         k_repair = k8.float().gather(2, tokens[..., None].expand(-1, -1, -1, dim))
         d_k_repair = d_k.gather(2, tokens // BLOCK)  # each repair key keeps its own block's scale

@@ -4,6 +4,8 @@ import math
 
 import torch
 
+from .quant import REPAIR_RANKINGS
+
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_REPAIR_RATIO = 0.5
 
@@ -15,6 +17,7 @@ def check_attention_args(
     *,
     repair_ratio: float,
     window: int | None,
+    repair_ranking: str = "attention",
     dtypes: tuple[torch.dtype, ...] = INPUT_DTYPES,
 ) -> None:
     """Raise ``ValueError`` unless q, k, v are ``(B, S, H, D)`` tensors that attention can take."""
@@ -42,6 +45,8 @@ def check_attention_args(
     check_repair_ratio(repair_ratio)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise ValueError(f"window must be an int >= 0 or None (plain order), got {window!r}")
+    if repair_ranking not in REPAIR_RANKINGS:
+        raise ValueError(f"repair_ranking must be one of {', '.join(map(repr, REPAIR_RANKINGS))}, got {repair_ranking!r}")
 
 
 def check_repair_ratio(repair_ratio: float) -> None:

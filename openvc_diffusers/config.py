@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from openvc_kernels.quant import REPAIR_RANKINGS
+
 BACKENDS = ("openvc", "fa4", "sdpa")
 
 # "28-29": an inclusive range of layer or step indices.
@@ -31,6 +33,9 @@ class OpenVCConfig:
     min_tokens: int = 1024
     # V residual repair ratio rho: fraction of tokens per head given an extra repair row.
     repair_ratio: float = 0.005
+    # How repair candidates are ranked: "attention" (residual energy times the attention mass the key gets from
+    # sampled query rows) or "energy" (residual energy alone).
+    repair_ranking: str = "attention"
     # Mid-window traversal width w; None keeps plain key-block order.
     window: int | None = 4
     # Subtract each head's per-channel mean of K before quantizing (softmax is unchanged in exact math).
@@ -50,6 +55,7 @@ class OpenVCConfig:
             "backends": _backends("backends", self.backends),
             "min_tokens": _int("min_tokens", self.min_tokens, minimum=0),
             "repair_ratio": _ratio("repair_ratio", self.repair_ratio),
+            "repair_ranking": _choice("repair_ranking", self.repair_ranking, REPAIR_RANKINGS),
             "window": _int("window", self.window, minimum=0, none_ok=True),
             "smooth_k": _bool("smooth_k", self.smooth_k),
             "cross_attention": _backend("cross_attention", self.cross_attention),
@@ -66,6 +72,7 @@ class OpenVCConfig:
             "backends": list(self.backends),
             "min_tokens": self.min_tokens,
             "repair_ratio": self.repair_ratio,
+            "repair_ranking": self.repair_ranking,
             "window": self.window,
             "smooth_k": self.smooth_k,
             "cross_attention": self.cross_attention,
@@ -164,10 +171,14 @@ def _ratio(key: str, value: Any) -> float:
     return float(value)
 
 
-def _backend(key: str, value: Any) -> str:
-    if value not in BACKENDS:
-        _fail(key, value, f"one of {', '.join(map(repr, BACKENDS))}")
+def _choice(key: str, value: Any, accepted: tuple[str, ...]) -> str:
+    if value not in accepted:
+        _fail(key, value, f"one of {', '.join(map(repr, accepted))}")
     return value
+
+
+def _backend(key: str, value: Any) -> str:
+    return _choice(key, value, BACKENDS)
 
 
 def _backends(key: str, value: Any) -> tuple[str, ...]:

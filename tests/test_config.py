@@ -226,3 +226,9 @@ def test_shipped_configs_load(name):
 def test_smooth_k_takes_a_bool(value):
     with pytest.raises(ConfigError, match=f"smooth_k: got {value!r}; expected true or false"):
         load_config({"smooth_k": value})
+
+
+def test_repair_ranking_is_checked():
+    assert load_config({"repair_ranking": "energy"}).repair_ranking == "energy"
+    with pytest.raises(ConfigError, match="repair_ranking: got 'mass'; expected one of 'attention', 'energy'"):
+        load_config({"repair_ranking": "mass"})
