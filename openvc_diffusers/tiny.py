@@ -82,7 +82,7 @@ def tiny_wan_pipeline(
         text_encoder=text_encoder.to(device, dtype).eval(),
         vae=vae.to(device).eval(),
         scheduler=scheduler,
-        transformer=_cast_parameters(transformer, dtype).to(device).eval(),
+        transformer=cast_like_from_pretrained(transformer, dtype).to(device).eval(),
     )
 
 
@@ -133,10 +133,10 @@ def tiny_wan_inputs(*, image_dim: int | None = None, seed: int = 0) -> dict:
     return inputs
 
 
-def _cast_parameters(model, dtype: torch.dtype):
-    # What `from_pretrained(torch_dtype=dtype)` does: parameters take `dtype` except in the modules the
-    # model keeps in float32 (for Wan: RoPE, time embedding, norms, modulation tables); buffers such as
-    # the RoPE tables keep theirs. `model.to(dtype)` would cast everything, and diffusers warns about it.
+def cast_like_from_pretrained(model, dtype: torch.dtype):
+    """What ``from_pretrained(torch_dtype=dtype)`` does: parameters take ``dtype`` except in the modules the model
+    keeps in float32 (for Wan: RoPE, time embedding, norms, modulation tables); buffers such as the RoPE tables
+    keep theirs. ``model.to(dtype)`` would cast everything, and diffusers warns about it."""
     keep = model._keep_in_fp32_modules or []
     for name, param in model.named_parameters():
         if not any(module in name.split(".") for module in keep):

@@ -1,0 +1,72 @@
+"""examples/bench_pipeline.py: the --tiny path end to end on the CPU, and the full-size model's shapes."""
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+from test_examples import load_example
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BACKEND_KEYS = {
+    "available",
+    "s_per_step",
+    "steps",
+    "attention_share",
+    "self_attention_share",
+    "peak_memory_gib",
+    "calls",
+    "speedup_vs_fa4",
+    "speedup_vs_sdpa",
+    "psnr_vs_sdpa_db",
+}
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as exit:
+        load_example("bench_pipeline").main(["--help"])
+    assert exit.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_tiny_runs_every_backend_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    returned = load_example("bench_pipeline").main(["--tiny", "--cfg", "--steps", "2", "--json", str(path)])
+    results = json.loads(path.read_text())
+    assert results == json.loads(json.dumps(returned))
+    assert {"device", "model", "config", "steps", "cfg", "psnr_on", "clocks_before", "clocks_after"} <= set(
+        results["meta"]
+    )
+
+    (row,) = results["rows"]
+    assert (row["size"], row["tokens"]) == ("tiny", 160)
+    assert sorted(row["order"]) == sorted(row["backends"]) == ["openvc", "sdpa"]
+    # 2 timed steps x 2 forwards (CFG) x 2 layers; the warm-up step's calls are not counted.
+    assert row["backends"]["openvc"]["calls"] == {"cross:sdpa": 8, "self:openvc-reference": 8}
+    assert row["backends"]["sdpa"]["calls"] == {"cross:sdpa": 8, "self:sdpa": 8}
+    for result in row["backends"].values():
+        assert BACKEND_KEYS <= set(result) and "fallback" not in result
+        assert len(result["steps"]) == 2 and result["s_per_step"] > 0
+        assert 0 < result["self_attention_share"] < result["attention_share"] < 1
+    assert row["backends"]["sdpa"]["speedup_vs_sdpa"] == 1
+    # Open-VC's numerics change the latents, but only slightly.
+    assert 20 < row["backends"]["openvc"]["psnr_vs_sdpa_db"] < math.inf
+    assert "openvc-reference 8" in capsys.readouterr().out.splitlines()[-2]  # the table comes last
+
+
+@pytest.mark.parametrize("single_block_14b", [False, True])
+def test_full_size_model_has_wan_shapes(single_block_14b):
+    bench = load_example("bench_pipeline")
+    args = argparse.Namespace(tiny=False, single_block_14b=single_block_14b, layers=None, seed=0)
+    model = bench.build_model(args, "meta")  # shapes only: nothing allocated
+    heads, dim, layers = (40, 5120, 1) if single_block_14b else (12, 1536, 30)
+    block = model.blocks[0]
+    assert (len(model.blocks), block.attn1.heads, block.attn1.to_q.weight.shape[0]) == (layers, heads, dim)
+    # bfloat16 as from_pretrained loads it: the modules Wan keeps in float32 stay float32.
+    assert (block.attn1.to_q.weight.dtype, block.norm2.weight.dtype) == (torch.bfloat16, torch.float32)
+    assert [bench.tokens(model, latent) for latent in bench.SIZES.values()] == [32_760, 75_600]
+    if not single_block_14b:
+        # 1.42B: Wan2.1-T2V-1.3B's transformer, 2.84 GB in bfloat16.
+        assert sum(p.numel() for p in model.parameters()) == 1_418_996_800
