@@ -14,17 +14,26 @@ from ..parallel import heads_to_sequence, sequence_to_heads, ulysses_group
 from ..policy import SDPA, Call, decide
 
 
-def context_qkv(attn: torch.nn.Module, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The text stream's query, key and value in joint-attention models (HunyuanVideo, Mochi), as their
-    stock processors compute them: added projections, heads split, ``norm_added_q`` / ``norm_added_k``."""
-    query, key, value = (
-        proj(context).unflatten(2, (attn.heads, -1)) for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
-    )
-    if attn.norm_added_q is not None:
-        query = attn.norm_added_q(query)
-    if attn.norm_added_k is not None:
-        key = attn.norm_added_k(key)
+def _qkv(attn, x: torch.Tensor, projections, norm_q, norm_k) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    query, key, value = (proj(x).unflatten(2, (attn.heads, -1)) for proj in projections)
+    if norm_q is not None:
+        query = norm_q(query)
+    if norm_k is not None:
+        key = norm_k(key)
     return query, key, value
+
+
+def video_qkv(attn: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The video stream's query, key and value in joint-attention models (HunyuanVideo, Mochi), as their stock
+    processors compute them: projections, heads split, ``norm_q`` / ``norm_k`` where the module has them."""
+    return _qkv(attn, hidden_states, (attn.to_q, attn.to_k, attn.to_v), attn.norm_q, attn.norm_k)
+
+
+def context_qkv(attn: torch.nn.Module, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The text stream's query, key and value: added projections, heads split, ``norm_added_q`` / ``norm_added_k``."""
+    return _qkv(
+        attn, context, (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj), attn.norm_added_q, attn.norm_added_k
+    )
 
 
 class OpenVCProcessorBase:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
 
-from .base import OpenVCProcessorBase, context_qkv
+from .base import OpenVCProcessorBase, context_qkv, video_qkv
 
 
 def valid_prefix_length(mask: torch.Tensor) -> int | None:
@@ -53,20 +53,8 @@ class HunyuanVideoOpenVCProcessor(OpenVCProcessorBase):
         if attn.add_q_proj is None and encoder_hidden_states is not None:
             hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
 
-        # 1. QKV projections
-        query = attn.to_q(hidden_states)
-        key = attn.to_k(hidden_states)
-        value = attn.to_v(hidden_states)
-
-        query = query.unflatten(2, (attn.heads, -1))
-        key = key.unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
-
-        # 2. QK normalization
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
+        # 1-2. QKV projections and QK normalization
+        query, key, value = video_qkv(attn, hidden_states)
 
         # 3. Rotational positional embeddings applied to latent stream
         if image_rotary_emb is not None:
@@ -120,18 +108,8 @@ class HunyuanVideo15OpenVCProcessor(OpenVCProcessorBase):
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # 1. QKV projections
-        query = attn.to_q(hidden_states)
-        key = attn.to_k(hidden_states)
-        value = attn.to_v(hidden_states)
-
-        query = query.unflatten(2, (attn.heads, -1))
-        key = key.unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
-
-        # 2. QK normalization
-        query = attn.norm_q(query)
-        key = attn.norm_k(key)
+        # 1-2. QKV projections and QK normalization
+        query, key, value = video_qkv(attn, hidden_states)
 
         # 3. Rotational positional embeddings applied to latent stream
         if image_rotary_emb is not None:

@@ -9,7 +9,7 @@ without its padding, so every call is unmasked (kind "self": it is the video tok
 import torch
 import torch.nn.functional as F
 
-from .base import OpenVCProcessorBase, context_qkv
+from .base import OpenVCProcessorBase, context_qkv, video_qkv
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -34,18 +34,7 @@ class MochiOpenVCProcessor(OpenVCProcessorBase):
         attention_mask: torch.Tensor,
         image_rotary_emb: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        query = attn.to_q(hidden_states)
-        key = attn.to_k(hidden_states)
-        value = attn.to_v(hidden_states)
-
-        query = query.unflatten(2, (attn.heads, -1))
-        key = key.unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
-
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
+        query, key, value = video_qkv(attn, hidden_states)
 
         encoder_query, encoder_key, encoder_value = context_qkv(attn, encoder_hidden_states)
 
