@@ -28,6 +28,9 @@ from .quant import (
     v_residual,
 )
 from .validation import check_attention_args
+from .wgmma import wgmma_e4m3_dot
+
+QK_ACCUMULATIONS = ("exact", "wgmma")
 
 
 def visiting_order(n_query_tiles: int, n_key_tiles: int, window: int | None = 4) -> torch.Tensor:
@@ -61,6 +64,7 @@ def reference_attention(
     window: int | None = 4,
     smooth_k: bool = False,
     repair_ranking: str = "attention",
+    qk_accumulation: str = "exact",
 ) -> torch.Tensor:
     """Open-VC attention on ``(B, S, H, D)`` inputs (fp16, bf16 or fp32), BF16 output ``(B, S_q, H, D)``.
 
@@ -68,9 +72,13 @@ def reference_attention(
     ``window`` is the mid-window traversal's look-ahead in tiles (``None`` = plain order); ``smooth_k``
     subtracts each head's per-channel mean of K before quantizing (``quant.smooth_keys``);
     ``repair_ranking`` orders repair candidates by residual energy times ``quant.attention_mass``
-    ("attention") or by residual energy alone ("energy").
+    ("attention") or by residual energy alone ("energy"); ``qk_accumulation="wgmma"`` adds up Q8 . K8 as the
+    Hopper kernel's FP8 wgmma does (``wgmma.py``: 14 significant bits, cut toward zero), "exact" in FP32.
     """
     check_attention_args(q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking)
+    if qk_accumulation not in QK_ACCUMULATIONS:
+        raise ValueError(f"qk_accumulation must be one of {', '.join(map(repr, QK_ACCUMULATIONS))}, got {qk_accumulation!r}")
+    dot = wgmma_e4m3_dot if qk_accumulation == "wgmma" else lambda a, b: a @ b.transpose(-1, -2)
     batch, s_q, heads, dim = q.shape
     s_k = k.shape[1]
     tau = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(dim)
@@ -97,7 +105,7 @@ def reference_attention(
     for step in range(n_k):
         tile = order[:, step]
         d_k_tile = d_k[:, :, tile]  # (B, H, n_q)
-        raw = q_tiles @ k_tiles[:, :, tile].transpose(-1, -2)  # (B, H, n_q, 128 rows, 128 keys)
+        raw = dot(q_tiles, k_tiles[:, :, tile])  # (B, H, n_q, 128 rows, 128 keys)
         raw.masked_fill_(~key_valid[tile][:, None, :], -math.inf)
         m = torch.maximum(m, raw.amax(dim=-1) * d_k_tile[..., None])
         new_anchor = code_anchor(m, s)
@@ -119,7 +127,7 @@ def reference_attention(
         v_repair = quantize_repair_rows(residual, tokens, d_v).float()
         k_repair = k8.float().gather(2, tokens[..., None].expand(-1, -1, -1, dim))
         d_k_repair = d_k.gather(2, tokens // BLOCK)  # each repair key keeps its own block's scale
-        raw = q_tiles @ k_repair[:, :, None].transpose(-1, -2)  # (B, H, n_q, 128, count)
+        raw = dot(q_tiles, k_repair[:, :, None].expand(-1, -1, n_q, -1, -1))  # (B, H, n_q, 128, count)
         coef = s[..., None] * d_k_repair[:, :, None, None, :]
         codes = anchored_encode(raw, coef, anchor[..., None])
         acc += expcast_decode(codes) @ v_repair[:, :, None]  # numerator only: l keeps the real keys' sum

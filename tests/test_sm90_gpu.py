@@ -18,9 +18,11 @@ pytestmark = [
 REL_L2 = 1e-3
 """Against the reference when Q8 . K8 is exact (the kernel's FP32 PV sums differ only in order)."""
 REL_L2_RANDOM = 1e-2
-"""On N(0, 1) inputs: the FP8 wgmma sums Q8 . K8 with ~14 significant bits (cuBLAS FP8 GEMMs measured
-the same, 4e-4 of the largest score), so a few codes sit one step from the reference's (measured
-rel-L2 2.4e-3 .. 4.8e-3 for S = 127 .. 32760, against 5.5% for the FP8 quantization itself)."""
+"""On N(0, 1) inputs against the reference that sums Q8 . K8 exactly: the FP8 wgmma keeps ~14 significant bits
+(cuBLAS FP8 GEMMs measured the same, 4e-4 of the largest score), so a few codes sit one step away (measured
+rel-L2 2.4e-3 .. 4.8e-3 for S = 127 .. 32760). Against the reference that models the wgmma sum
+(``qk_accumulation="wgmma"``), REL_L2 applies (not yet run on the GPU when written: a failure there means the
+accumulation model of wgmma.py does not hold on this card)."""
 EXACT_CHANNELS = 8
 
 
@@ -78,11 +80,12 @@ def test_matches_reference_on_exact_scores(batch, seq, heads):
     assert _rel_l2(out, reference_attention(q, k, v)) <= REL_L2
 
 
-@pytest.mark.parametrize("seq,heads", [(127, 1), (1000, 12), (32760, 12)])
+@pytest.mark.parametrize("seq,heads", [(127, 1), (1000, 12), (4096, 12), (32760, 1)])
 def test_matches_reference_on_random_inputs(seq, heads):
     q, k, v = _inputs(1, seq, seq, heads)
     out = _run_poisoned(q, k, v)
     assert _rel_l2(out, reference_attention(q, k, v)) <= REL_L2_RANDOM
+    assert _rel_l2(out, reference_attention(q, k, v, qk_accumulation="wgmma")) <= REL_L2
 
 
 @pytest.mark.parametrize("window", [None, 0, 1, 4, 100])
