@@ -2,8 +2,9 @@
 
 ``attention(q, k, v)`` quantizes and packs in PyTorch (``sm90.layout.prepare_reference``) and runs the sm90
 forward kernel; the output is bit-for-bit the same on repeated calls. The fused preparation kernels
-(``sm90.prep``) compile but hung on their first H200 launch, so they are not used yet. ``torch.ops.openvc.attention`` is the
-registered custom op (with a fake implementation, so ``torch.compile`` can trace through it).
+(``sm90.prep``) compile but hung on their first H200 launch, so they are not used yet.
+``torch.ops.openvc.attention`` is the registered custom op (with a fake implementation, so ``torch.compile``
+can trace through it).
 """
 
 import math

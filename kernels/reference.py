@@ -77,7 +77,9 @@ def reference_attention(
     """
     check_attention_args(q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking)
     if qk_accumulation not in QK_ACCUMULATIONS:
-        raise ValueError(f"qk_accumulation must be one of {', '.join(map(repr, QK_ACCUMULATIONS))}, got {qk_accumulation!r}")
+        raise ValueError(
+            f"qk_accumulation must be one of {', '.join(map(repr, QK_ACCUMULATIONS))}, got {qk_accumulation!r}"
+        )
     dot = wgmma_e4m3_dot if qk_accumulation == "wgmma" else lambda a, b: a @ b.transpose(-1, -2)
     batch, s_q, heads, dim = q.shape
     s_k = k.shape[1]

@@ -46,7 +46,9 @@ def check_attention_args(
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise ValueError(f"window must be an int >= 0 or None (plain order), got {window!r}")
     if repair_ranking not in REPAIR_RANKINGS:
-        raise ValueError(f"repair_ranking must be one of {', '.join(map(repr, REPAIR_RANKINGS))}, got {repair_ranking!r}")
+        raise ValueError(
+            f"repair_ranking must be one of {', '.join(map(repr, REPAIR_RANKINGS))}, got {repair_ranking!r}"
+        )
 
 
 def check_repair_ratio(repair_ratio: float) -> None:

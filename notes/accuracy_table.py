@@ -1,16 +1,35 @@
-"""Accuracy of V repair (both rankings) and K smoothing with the reference on the CPU (rel-L2 vs float64), S=4096, H=2."""
+"""Accuracy of V repair (both rankings) and K smoothing with the reference on the CPU.
+
+rel-L2 against float64 attention, S = 4096, H = 2; prints the Markdown tables of notes/accuracy.md.
+"""
+
 import torch, openvc_kernels as ok
+
 S, H = 4096, 2
+
+
 def exact(q, k, v):
     q, k, v = (x.double().transpose(1, 2) for x in (q, k, v))
     return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
-def rel(a, b): return ((a.double() - b).norm() / b.norm()).item()
+
+
+def rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
 torch.manual_seed(0)
 q, k, v = [torch.randn(1, S, H, 128) for _ in range(3)]
 heavy = v * torch.exp(1.5 * torch.randn(1, S, H, 1))
-outl = v.clone(); idx = torch.randperm(S)[: round(0.005 * S)]; outl[:, idx] *= 20
+outl = v.clone()
+idx = torch.randperm(S)[: round(0.005 * S)]
+outl[:, idx] *= 20
 koff = k + torch.zeros(1, 1, H, 128).index_fill_(3, torch.arange(4), 20.0)
-cases = {"N(0,1)": (q, k, v), "heavy-tailed V norms": (q, k, heavy), "0.5% V tokens x20": (q, k, outl), "K +20 on 4 channels": (q, koff, v)}
+cases = {
+    "N(0,1)": (q, k, v),
+    "heavy-tailed V norms": (q, k, heavy),
+    "0.5% V tokens x20": (q, k, outl),
+    "K +20 on 4 channels": (q, koff, v),
+}
 rhos = (0, 0.0025, 0.005, 0.01, 0.02)
 print("| inputs | smooth_k | " + " | ".join(f"rho={r}" for r in rhos) + " |")
 print("|---|---|" + "---|" * len(rhos))
@@ -18,7 +37,7 @@ for name, (a, b, c) in cases.items():
     e = exact(a, b, c)
     for sm in (False, True):
         vals = [rel(ok.reference_attention(a, b, c, repair_ratio=r, smooth_k=sm), e) for r in rhos]
-        print(f"| {name} | {sm} | " + " | ".join(f"{x*100:.2f}%" for x in vals) + " |", flush=True)
+        print(f"| {name} | {sm} | " + " | ".join(f"{x * 100:.2f}%" for x in vals) + " |", flush=True)
 
 # Repair ranking: residual energy alone vs energy times attention mass, on inputs where attention is uneven.
 sinks_q, sinks_k = q + 0.5, k.clone()
@@ -26,8 +45,11 @@ sinks_k[:, torch.randperm(S)[:40]] += 2.0
 base = torch.cumsum(torch.randn(1, S, H, 128) * 0.3, dim=1)
 base = (base - base.mean(1, keepdim=True)) / base.std(1, keepdim=True)
 local_q, local_k = 2.0 * base + 0.5 * torch.randn_like(base), base + 0.5 * torch.randn_like(base)
-ranked = {"N(0,1), heavy-tailed V": (q, k, heavy), "sink keys, heavy-tailed V": (sinks_q, sinks_k, heavy),
-          "local (video-like), heavy-tailed V": (local_q, local_k, heavy)}
+ranked = {
+    "N(0,1), heavy-tailed V": (q, k, heavy),
+    "sink keys, heavy-tailed V": (sinks_q, sinks_k, heavy),
+    "local (video-like), heavy-tailed V": (local_q, local_k, heavy),
+}
 print()
 print("| inputs | rho=0 | energy, rho=0.005 | attention, rho=0.005 | energy, rho=0.02 | attention, rho=0.02 |")
 print("|---|---|---|---|---|---|")
@@ -35,5 +57,7 @@ for name, (a, b, c) in ranked.items():
     e = exact(a, b, c)
     vals = [rel(ok.reference_attention(a, b, c, repair_ratio=0), e)]
     for r in (0.005, 0.02):
-        vals += [rel(ok.reference_attention(a, b, c, repair_ratio=r, repair_ranking=rk), e) for rk in ("energy", "attention")]
-    print(f"| {name} | " + " | ".join(f"{x*100:.2f}%" for x in vals) + " |", flush=True)
+        vals += [
+            rel(ok.reference_attention(a, b, c, repair_ratio=r, repair_ranking=rk), e) for rk in ("energy", "attention")
+        ]
+    print(f"| {name} | " + " | ".join(f"{x * 100:.2f}%" for x in vals) + " |", flush=True)

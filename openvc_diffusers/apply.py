@@ -68,7 +68,9 @@ def pipeline_transformers(target) -> list[torch.nn.Module]:
         return [target]
     found = [getattr(target, a) for a in TRANSFORMER_ATTRS if getattr(target, a, None) is not None]
     if not found:
-        raise ValueError(f"apply() takes a pipeline with a transformer or a transformer model, got {type(target).__name__}")
+        raise ValueError(
+            f"apply() takes a pipeline with a transformer or a transformer model, got {type(target).__name__}"
+        )
     return found
 
 

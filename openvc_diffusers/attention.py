@@ -40,7 +40,8 @@ def run(
     if decision.backend == OPENVC_KERNEL:
         if config.repair_ratio > 0:
             warn_once(
-                f"repair_ratio {config.repair_ratio}: the Hopper kernel has no V residual repair yet; running without it"
+                f"repair_ratio {config.repair_ratio}: the Hopper kernel has no V residual repair yet; "
+                "running without it"
             )
         return openvc_kernels.attention(q, k, v, window=config.window, smooth_k=config.smooth_k).to(q.dtype)
     if decision.backend == OPENVC_REFERENCE:

@@ -17,7 +17,8 @@ FA4_MAX_HEAD_DIM = 256
 
 @functools.cache
 def fa4_installed() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec("flash_attn.cute") is not None
+    find = importlib.util.find_spec
+    return find("flash_attn") is not None and find("flash_attn.cute") is not None
 
 
 def fa4_unavailable_reason(q: torch.Tensor, has_mask: bool) -> str | None:

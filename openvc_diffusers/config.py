@@ -117,7 +117,9 @@ def _read_yaml(path: Path) -> Mapping[str, Any]:
     if data is None:  # an empty file means all defaults
         return {}
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{str(path)!r}: expected a mapping of config keys at the top level, got {type(data).__name__}")
+        raise ConfigError(
+            f"{str(path)!r}: expected a mapping of config keys at the top level, got {type(data).__name__}"
+        )
     return data
 
 

@@ -53,7 +53,9 @@ def check_ulysses(model: torch.nn.Module, degree: int) -> None:
     if heads % degree:
         raise ValueError(f"parallel.ulysses_degree {degree} must divide {name}'s {heads} attention heads")
     if not dist.is_initialized():
-        raise ValueError(f"parallel.ulysses_degree {degree} needs torch.distributed: {LAUNCH_HINT.format(degree=degree)}")
+        raise ValueError(
+            f"parallel.ulysses_degree {degree} needs torch.distributed: {LAUNCH_HINT.format(degree=degree)}"
+        )
     if dist.get_world_size() != degree:
         raise ValueError(
             f"parallel.ulysses_degree {degree} needs a world of {degree} processes, got {dist.get_world_size()}: "
