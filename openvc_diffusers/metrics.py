@@ -38,15 +38,21 @@ def _gaussian_window(size: int = 11, sigma: float = 1.5) -> torch.Tensor:
     return window / window.sum()
 
 
+def _frames(a, b) -> tuple[torch.Tensor, torch.Tensor]:
+    # (..., H, W, C) -> (frames, H, W, C); an (H, W) image is one single-channel frame.
+    a, b = _as_float64_pair(a, b)
+    if a.ndim < 2:
+        raise ValueError(f"SSIM and per-frame metrics need images of shape (H, W) or (..., H, W, C), got {tuple(a.shape)}.")
+    if a.ndim == 2:
+        a, b = a[..., None], b[..., None]
+    return a.reshape(-1, *a.shape[-3:]), b.reshape(-1, *b.shape[-3:])
+
+
 def ssim(a, b, data_range: float = 1.0) -> float:
     """Structural similarity (Wang et al. 2004): 11x11 Gaussian window with sigma 1.5, K1 = 0.01,
     K2 = 0.03, over valid window positions only; per channel, then averaged over channels and frames.
     """
-    a, b = _as_float64_pair(a, b)
-    if a.ndim < 2:
-        raise ValueError(f"ssim needs images of shape (H, W) or (..., H, W, C), got {tuple(a.shape)}.")
-    if a.ndim == 2:
-        a, b = a[..., None], b[..., None]
+    a, b = _frames(a, b)
     height, width, channels = a.shape[-3:]
     window = _gaussian_window().to(a.device)
     if min(height, width) < window.numel():
@@ -73,16 +79,6 @@ def ssim(a, b, data_range: float = 1.0) -> float:
     # Every image has the same number of window positions, so the mean of per-channel, per-frame
     # means is the mean over all of them.
     return ssim_map.mean().item()
-
-
-def _frames(a, b) -> tuple[torch.Tensor, torch.Tensor]:
-    # (..., H, W, C) -> (frames, H, W, C); an (H, W) image is one single-channel frame.
-    a, b = _as_float64_pair(a, b)
-    if a.ndim < 2:
-        raise ValueError(f"Per-frame metrics need images of shape (H, W) or (..., H, W, C), got {tuple(a.shape)}.")
-    if a.ndim == 2:
-        a, b = a[..., None], b[..., None]
-    return a.reshape(-1, *a.shape[-3:]), b.reshape(-1, *b.shape[-3:])
 
 
 def psnr_per_frame(a, b, data_range: float = 1.0) -> list[float]:
