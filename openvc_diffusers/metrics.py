@@ -42,7 +42,7 @@ def _frames(a, b) -> tuple[torch.Tensor, torch.Tensor]:
     # (..., H, W, C) -> (frames, H, W, C); an (H, W) image is one single-channel frame.
     a, b = _as_float64_pair(a, b)
     if a.ndim < 2:
-        raise ValueError(f"SSIM and per-frame metrics need images of shape (H, W) or (..., H, W, C), got {tuple(a.shape)}.")
+        raise ValueError(f"SSIM and per-frame metrics take (H, W) or (..., H, W, C) images, got {tuple(a.shape)}.")
     if a.ndim == 2:
         a, b = a[..., None], b[..., None]
     return a.reshape(-1, *a.shape[-3:]), b.reshape(-1, *b.shape[-3:])
