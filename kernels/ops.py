@@ -1,10 +1,9 @@
 """Torch entry point of the Hopper ExpCast kernel: preparation, compile cache, custom op.
 
-``attention(q, k, v)`` quantizes and packs in PyTorch (``sm90.layout.prepare_reference``) and runs the sm90
-forward kernel; the output is bit-for-bit the same on repeated calls. The fused preparation kernels
-(``sm90.prep``) compile but hung on their first H200 launch, so they are not used yet.
-``torch.ops.openvc.attention`` is the registered custom op (with a fake implementation, so ``torch.compile``
-can trace through it).
+``attention(q, k, v)`` quantizes and packs with the fused sm90 preparation kernels (``sm90.prep``, byte-identical
+to ``sm90.layout.prepare_reference``) and runs the sm90 forward kernel; the output is bit-for-bit the same on
+repeated calls. ``torch.ops.openvc.attention`` is the registered custom op (with a fake implementation, so
+``torch.compile`` can trace through it).
 """
 
 import math
@@ -12,7 +11,7 @@ import os
 import torch
 
 from .expcast import CODES_PER_NAT
-from .sm90.layout import HEAD_DIM, PV_N, Prepared, prepare_reference
+from .sm90.layout import HEAD_DIM, PV_N, Prepared
 from .support import kernel_unavailable_reason
 from .validation import check_attention_args
 
@@ -66,8 +65,11 @@ def _kernel(plain_order: bool, **config):
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = False) -> Prepared:
-    """Quantize ``(B, S, H, 128)`` q, k, v as ``reference_attention`` does, and pack V for the kernel."""
-    return prepare_reference(q, k, v, smooth_k=smooth_k)
+    """Quantize ``(B, S, H, 128)`` q, k, v as ``reference_attention`` does, and pack V for the kernel:
+    the bytes of ``prepare_reference``, from the fused kernels on the current stream."""
+    from .sm90 import prep
+
+    return prep.prepare(q, k, v, smooth_k=smooth_k)
 
 
 def attention_prepared(
@@ -82,17 +84,14 @@ def attention_prepared(
     return out
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window) -> None:
-    check_attention_args(q, k, v, repair_ratio=0.0, window=window, dtypes=(torch.float16, torch.bfloat16))
-    reason = kernel_unavailable_reason(q)
-    if reason is not None:
-        raise ValueError(reason)
-
-
 @torch.library.custom_op("openvc::attention", mutates_args=())
 def _attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, window: int | None, smooth_k: bool
 ) -> torch.Tensor:
+    # Checked here, inside the op, where torch.compile does not trace (it would stop at the package lookup).
+    reason = kernel_unavailable_reason(q)
+    if reason is not None:
+        raise ValueError(reason)
     out = torch.empty(q.shape, dtype=OUT_DTYPE, device=q.device)
     return attention_prepared(prepare(q, k, v, smooth_k=smooth_k), out, softmax_scale=softmax_scale, window=window)
 
@@ -118,6 +117,6 @@ def attention(
     ``reference_attention`` except where the FP8 wgmma's ~14-bit accumulation of Q8 . K8 moves a code by
     one step (rel-L2 ~4e-3 on N(0, 1) inputs).
     """
-    _check(q, k, v, window)
+    check_attention_args(q, k, v, repair_ratio=0.0, window=window, dtypes=(torch.float16, torch.bfloat16))
     tau = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return _attention_op(q, k, v, float(tau), window, bool(smooth_k))

@@ -24,8 +24,10 @@ def _e4m3(x: torch.Tensor) -> torch.Tensor:
 
 def _scale_and_descale(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a = absmax.clamp(min=ABSMAX_FLOOR)
-    # One IEEE division each: a Python scalar over a tensor would run as reciprocal-then-multiply.
-    return torch.full_like(a, FP8_MAX) / a, a / FP8_MAX
+    # One IEEE division each, on every device: with a Python scalar on either side, torch divides by
+    # multiplying with a reciprocal (on CUDA also for ``a / 448``), which differs in the last bit.
+    fp8_max = torch.full_like(a, FP8_MAX)
+    return fp8_max / a, a / fp8_max
 
 
 def quantize_per_block(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

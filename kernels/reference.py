@@ -28,9 +28,9 @@ from .quant import (
     v_residual,
 )
 from .validation import check_attention_args
-from .wgmma import wgmma_e4m3_dot
+from .wgmma import PV_PROMOTE_EVERY, wgmma_e4m3_dot
 
-QK_ACCUMULATIONS = ("exact", "wgmma")
+ACCUMULATIONS = ("exact", "wgmma")
 
 
 def visiting_order(n_query_tiles: int, n_key_tiles: int, window: int | None = 4) -> torch.Tensor:
@@ -64,7 +64,7 @@ def reference_attention(
     window: int | None = 4,
     smooth_k: bool = False,
     repair_ranking: str = "attention",
-    qk_accumulation: str = "exact",
+    accumulation: str = "exact",
 ) -> torch.Tensor:
     """Open-VC attention on ``(B, S, H, D)`` inputs (fp16, bf16 or fp32), BF16 output ``(B, S_q, H, D)``.
 
@@ -72,15 +72,15 @@ def reference_attention(
     ``window`` is the mid-window traversal's look-ahead in tiles (``None`` = plain order); ``smooth_k``
     subtracts each head's per-channel mean of K before quantizing (``quant.smooth_keys``);
     ``repair_ranking`` orders repair candidates by residual energy times ``quant.attention_mass``
-    ("attention") or by residual energy alone ("energy"); ``qk_accumulation="wgmma"`` adds up Q8 . K8 as the
-    Hopper kernel's FP8 wgmma does (``wgmma.py``: 14 significant bits, cut toward zero), "exact" in FP32.
+    ("attention") or by residual energy alone ("energy"); ``accumulation="wgmma"`` adds up Q8 . K8 and P . V8
+    (numerator and denominator) as the Hopper kernel's FP8 wgmma does (``wgmma.py``: 14 significant bits, cut
+    toward zero; P V summed over ``PV_PROMOTE_EVERY`` tiles before each FP32 add), "exact" in FP32.
     """
     check_attention_args(q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking)
-    if qk_accumulation not in QK_ACCUMULATIONS:
-        raise ValueError(
-            f"qk_accumulation must be one of {', '.join(map(repr, QK_ACCUMULATIONS))}, got {qk_accumulation!r}"
-        )
-    dot = wgmma_e4m3_dot if qk_accumulation == "wgmma" else lambda a, b: a @ b.transpose(-1, -2)
+    if accumulation not in ACCUMULATIONS:
+        raise ValueError(f"accumulation must be one of {', '.join(map(repr, ACCUMULATIONS))}, got {accumulation!r}")
+    like_wgmma = accumulation == "wgmma"
+    dot = wgmma_e4m3_dot if like_wgmma else lambda a, b: a @ b.transpose(-1, -2)
     batch, s_q, heads, dim = q.shape
     s_k = k.shape[1]
     tau = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(dim)
@@ -104,6 +104,11 @@ def reference_attention(
     anchor = None
     acc = torch.zeros(batch, heads, n_q, BLOCK, dim, device=q.device)
     l = torch.zeros(batch, heads, n_q, BLOCK, device=q.device)
+    if like_wgmma:
+        # The kernel's PV operand: V^T with a ones row (the denominator) for every real key.
+        ones = key_valid.float().view(1, 1, n_k, BLOCK, 1).expand(batch, heads, -1, -1, -1)
+        v_cols = torch.cat([v_tiles, ones], dim=-1).transpose(-1, -2)  # (B, H, n_k, dim + 1, 128 keys)
+        pv = None  # the PV wgmma's running sum over the tiles since the last promotion: (..., dim + 1)
     for step in range(n_k):
         tile = order[:, step]
         d_k_tile = d_k[:, :, tile]  # (B, H, n_q)
@@ -115,11 +120,23 @@ def reference_attention(
             alpha = torch.exp2((new_anchor - anchor) * 0.125)
             acc *= alpha[..., None]
             l *= alpha
+            if like_wgmma:
+                pv *= alpha[..., None]
+                if step % PV_PROMOTE_EVERY == 0:
+                    acc += pv[..., :dim]
+                    l += pv[..., dim]
+                    pv = None
         anchor = new_anchor
         codes = anchored_encode(raw, (s * d_k_tile[..., None])[..., None], anchor[..., None])
         p = expcast_decode(codes)
-        acc += p @ v_tiles[:, :, tile]
-        l += p.sum(dim=-1)
+        if like_wgmma:
+            pv = wgmma_e4m3_dot(p, v_cols[:, :, tile], pv)
+        else:
+            acc += p @ v_tiles[:, :, tile]
+            l += p.sum(dim=-1)
+    if like_wgmma:
+        acc += pv[..., :dim]
+        l += pv[..., dim]
 
     count = repair_count(s_k, repair_ratio)
     if count > 0:

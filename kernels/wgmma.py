@@ -6,6 +6,9 @@ exponent among them (C included), cut toward zero to ``FRACTION_BITS`` bits belo
 exactly, and the sum is cut toward zero to an FP32 with ``FRACTION_BITS`` fraction bits (the low 10 zero). A
 head-dim-128 dot product chains 4 such instructions in k order. Exact FP32 summation differs by up to ~4e-4 of
 the largest score, enough to move a few ExpCast codes by one.
+
+The same holds for P V: the kernel's PV wgmma chains ``PV_PROMOTE_EVERY`` key tiles (4 instructions each)
+before it adds that sum into FP32 registers, and the 14-bit sums drop the small products of each chain.
 """
 
 import torch
@@ -18,6 +21,8 @@ E4M3_MIN_EXPONENT = -6
 """E4M3 subnormals share the exponent of the smallest normal, 2^-6."""
 ZERO_EXPONENT = -126
 LOW_BITS_MASK = ~((1 << (23 - FRACTION_BITS)) - 1)
+PV_PROMOTE_EVERY = 2
+"""Key tiles the sm90 kernel's PV wgmma adds up before its sum moves into FP32 registers."""
 
 
 def _exponent(x: torch.Tensor) -> torch.Tensor:
@@ -43,14 +48,14 @@ def _k32_step(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor
     return (out.view(torch.int32) & LOW_BITS_MASK).view(torch.float32)  # cut toward zero to 13 fraction bits
 
 
-def wgmma_e4m3_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a (..., M, D) @ b (..., N, D)^T`` as chained FP8 wgmma k32 instructions add it up, k in order.
+def wgmma_e4m3_dot(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
+    """``a (..., M, D) @ b (..., N, D)^T + c`` as chained FP8 wgmma k32 instructions add it up, k in order.
 
-    ``a`` and ``b`` hold E4M3 values (any float dtype); D a multiple of 32. The first instruction starts from
-    C = +0, as the kernel's does (its scale-d predicate off).
+    ``a`` and ``b`` hold E4M3 values (any float dtype); D a multiple of 32. Without ``c`` the first instruction
+    starts from C = +0, as the kernel's does (its scale-d predicate off).
     """
     a, b = a.float(), b.float()
-    acc = a.new_zeros(*a.shape[:-1], b.shape[-2])
+    acc = a.new_zeros(*a.shape[:-1], b.shape[-2]) if c is None else c
     for k in range(0, a.shape[-1], K_BLOCK):
         acc = _k32_step(a[..., k : k + K_BLOCK], b[..., k : k + K_BLOCK], acc)
     return acc

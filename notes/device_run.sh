@@ -1,7 +1,11 @@
 #!/bin/bash
-# Device side of a GPU check, run from the repo root: install the carried wheels, then the GPU tests and the
-# benchmark. libs-cu13 is over one call's carry limit, so a cold machine takes two calls: the first carries
-# .whl/a (exit 3: "stashed"), the second .whl/b; a warm machine with /tmp/site installed needs neither.
+# Device side of a GPU check, run from the repo root. STAGES picks what runs (default: all of them, in order):
+#   smoke  each sm90 preparation kernel alone, in its own process, hard-killed after 60 s
+#   prep   tests/test_sm90_prep.py with its GPU tests enabled (only when every smoke run passed)
+#   tests  ${TESTS} (default tests/test_sm90_gpu.py)
+#   bench  examples/bench_attention.py ${BENCH_ARGS}
+# libs-cu13 is over one call's carry limit, so a cold machine takes two calls: the first carries .whl/a (exit 3:
+# "stashed"), the second .whl/b; a warm machine with /tmp/site installed needs neither.
 set -u
 export PYTHONUNBUFFERED=1
 STASH=/tmp/wheels
@@ -17,6 +21,24 @@ mkdir -p /tmp/pkg && ln -sfn "$PWD/kernels" /tmp/pkg/openvc_kernels
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/pkg
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv
 # conftest imports diffusers, which the device image lacks; the sm90 tests need none of it.
-timeout 300 python3 -m pytest ${TESTS:-tests/test_sm90_prep.py tests/test_sm90_gpu.py} -q --noconftest \
-  -p no:cacheprovider --timeout=120 -rfEs 2>&1 | tee $OUT/pytest.log | tail -n 25
-timeout ${BENCH_TIMEOUT:-280} python3 examples/bench_attention.py ${BENCH_ARGS:-} --json $OUT/bench.json 2>&1 | tee $OUT/bench.log
+PYTEST="python3 -m pytest -q --noconftest -p no:cacheprovider --timeout=120 -rfEs"
+smoke_ok=1
+for stage in ${STAGES:-smoke prep tests bench}; do
+  echo "== stage $stage ($(date +%T))"
+  case $stage in
+    smoke)
+      for k in quantize_per_block absmax_per_head pack_v; do
+        timeout -k 5 60 python3 notes/bench_sm90_prep.py --smoke $k 2>&1 | tail -n 12 | tee -a $OUT/smoke.log
+        rc=${PIPESTATUS[0]}; echo "smoke $k rc=$rc" | tee -a $OUT/smoke.log; [ $rc = 0 ] || smoke_ok=0
+      done ;;
+    prep)
+      [ $smoke_ok = 1 ] || { echo "skipped: a smoke run failed"; continue; }
+      OPENVC_TRY_PREP=1 timeout -k 5 240 $PYTEST tests/test_sm90_prep.py 2>&1 | tee $OUT/prep.log | tail -n 15
+      timeout -k 5 90 python3 notes/bench_sm90_prep.py 2>&1 | tee $OUT/prep_bench.log | tail -n 12 ;;
+    tests)
+      timeout -k 5 ${TESTS_TIMEOUT:-300} $PYTEST ${TESTS:-tests/test_sm90_gpu.py} 2>&1 | tee $OUT/pytest.log | tail -n 25 ;;
+    bench)
+      timeout -k 5 ${BENCH_TIMEOUT:-280} python3 examples/bench_attention.py ${BENCH_ARGS:-} --json $OUT/bench.json 2>&1 \
+        | tee $OUT/bench.log ;;
+  esac
+done

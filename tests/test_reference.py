@@ -1,5 +1,6 @@
 """The reference's semantics: accuracy against exact attention, traversal, tails, V repair, argument checks."""
 
+import numpy as np
 import pytest
 import torch
 from conftest import exact_attention, rel_l2
@@ -78,6 +79,17 @@ def test_quantization_maps_each_block_absmax_to_448(fresh_seed):
     assert (x8[:, :, 300:].float() == 0).all()
     v8, d_v = quantize_per_head(x)
     assert rel_l2(v8.float() * d_v[..., None, None], x) < 0.04
+
+
+def test_scales_are_ieee_divisions(fresh_seed):
+    """448 / a and a / 448, each one correctly rounded division (as the fused preparation computes them),
+    never a multiplication by a rounded reciprocal."""
+    x = torch.randn(1, 1, 128 * 4096, 1) * torch.exp(torch.randn(1, 1, 128 * 4096, 1) * 4)
+    _, d = quantize_per_block(x)
+    a = x.abs().view(-1, 128).amax(dim=1).numpy()
+    expected = a / np.float32(FP8_MAX)
+    assert expected.dtype == np.float32 and np.array_equal(d.flatten().numpy(), expected)
+    assert not np.array_equal(expected, a * (np.float32(1) / np.float32(FP8_MAX)))  # the case that matters
 
 
 def test_repair_ratio_zero_is_no_repair(fresh_seed):

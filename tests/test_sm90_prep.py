@@ -133,9 +133,6 @@ def _hopper() -> bool:
 
 
 needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-hung_on_h200 = pytest.mark.skip(
-    reason="the first launch on an H200 hung (2026-11-30, two runs; notes/prep.md): not used until fixed"
-)
 
 
 _reference = prepare_reference
@@ -189,7 +186,6 @@ def seed() -> int:
 
 @pytest.mark.gpu
 @needs_hopper
-@hung_on_h200
 @pytest.mark.parametrize("flavour", ("normal", "heavy", "zeros"))
 @pytest.mark.parametrize("dtype,batch,seq_len,heads", CASES, ids=str)
 def test_prepare_matches_reference(seed, dtype, batch, seq_len, heads, flavour):
@@ -200,7 +196,6 @@ def test_prepare_matches_reference(seed, dtype, batch, seq_len, heads, flavour):
 
 @pytest.mark.gpu
 @needs_hopper
-@hung_on_h200
 def test_prepare_strided_inputs(seed):
     """Views of a fused QKV projection (B, S, 3, H, 128) and a head-major tensor are read in place."""
     batch, seq_q, seq_k, heads = 2, 300, 1000, 12
@@ -213,7 +208,17 @@ def test_prepare_strided_inputs(seed):
 
 @pytest.mark.gpu
 @needs_hopper
-@hung_on_h200
+@pytest.mark.parametrize("batch,seq_len,heads", [(1, 129, 3), (2, 4100, 12)])
+def test_prepare_with_smoothed_keys(seed, batch, seq_len, heads):
+    q, v = (torch.randn(batch, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    offsets = 8 * torch.randn(128, device="cuda")  # per-channel offsets, what smoothing removes
+    k = (torch.randn(batch, seq_len, heads, 128, device="cuda") + offsets).to(torch.bfloat16)
+    out = prep.prepare_into(q, k, v, _poisoned(batch, seq_len, seq_len, heads, "cuda"), smooth_k=True)
+    _assert_identical(out, _reference(q, k, v, smooth_k=True), f"seed {seed}")
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_prepare_in_cuda_graph(seed):
     """Captured once, replayed after the inputs change in place: the same bytes as an eager call."""
     batch, seq_len, heads = 2, 4100, 12

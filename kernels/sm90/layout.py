@@ -60,9 +60,10 @@ def pack_v(v8: torch.Tensor) -> torch.Tensor:
     rows = torch.zeros(batch, heads, s_pad, PV_N, dtype=torch.uint8, device=v8.device)
     rows[:, :, :seq_len, :HEAD_DIM] = v8.view(torch.uint8)
     rows[:, :, :seq_len, HEAD_DIM:] = E4M3_ONE
-    permutation = torch.tensor(KEY_PERMUTATION, device=v8.device)
-    rows = rows.view(batch, heads, s_pad // CHUNK, CHUNK, PV_N).index_select(3, permutation)
-    return rows.view(batch, heads, s_pad, PV_N).transpose(2, 3).contiguous()
+    # chunk_key as a view: keys (half, b1, lane, b0) -> positions (half, lane, b1, b0); no index tensor, so
+    # no host-to-device copy (this runs inside CUDA-graph captures).
+    rows = rows.view(batch, heads, s_pad // CHUNK, 2, 2, 4, 2, PV_N).transpose(4, 5)
+    return rows.reshape(batch, heads, s_pad, PV_N).transpose(2, 3).contiguous()
 
 
 class Prepared(NamedTuple):

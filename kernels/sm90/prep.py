@@ -1,6 +1,8 @@
 """Fused preparation for the sm90 kernel: Q and K to FP8 per 128-token block, V to FP8 per head, packed.
 
-Byte-identical to ``quant.quantize_per_block`` (Q, K) and ``layout.pack_v(quant.quantize_per_head(V))``.
+Byte-identical to ``quant.quantize_per_block`` (Q, K) and ``layout.pack_v(quant.quantize_per_head(V))``
+(``layout.prepare_reference``). With K smoothing, K alone is quantized by PyTorch (its mean needs the whole
+sequence first).
 Inputs are diffusers' ``(B, S, H, 128)`` fp16/bf16, any strides whose head-dim stride is 1 and the others
 multiples of 8 elements (16 bytes); anything else is copied once by ``prepare``.
 
@@ -26,7 +28,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Uint8
 
-from ..quant import ABSMAX_FLOOR, BLOCK, FP8_MAX, num_blocks
+from ..quant import ABSMAX_FLOOR, BLOCK, FP8_MAX, num_blocks, quantize_per_block, smooth_keys
 from .layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS, PV_N, Prepared
 
 THREADS = 256
@@ -336,26 +338,35 @@ def empty_prepared(batch: int, seq_q: int, seq_k: int, heads: int, device: torch
     )
 
 
-def prepare_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Prepared) -> Prepared:
+def prepare_into(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Prepared, *, smooth_k: bool = False
+) -> Prepared:
     """``prepare`` into the buffers of ``out`` (from ``empty_prepared``, contiguous); returns ``out``.
 
     Four launches on the current stream; the only allocation (the V absmax accumulator, zeroed by torch)
     comes before them, and nothing waits on the host, so a call can be captured in a CUDA graph.
     """
-    q, k, v = (_kernel_ready(x) for x in (q, k, v))
+    q, v = _kernel_ready(q), _kernel_ready(v)
     amax_v = torch.zeros(v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
     compile_prep("quantize_per_block", q.dtype)(q, out.q8, out.d_q)
-    compile_prep("quantize_per_block", k.dtype)(k, out.k8, out.d_k)
+    if smooth_k:
+        # The mean spans the whole sequence, so smoothed K is quantized by PyTorch, in FP32 as the reference.
+        k8, d_k = quantize_per_block(smooth_keys(k.transpose(1, 2)))
+        out.k8.copy_(k8.view(torch.uint8))
+        out.d_k.copy_(d_k)
+    else:
+        k = _kernel_ready(k)
+        compile_prep("quantize_per_block", k.dtype)(k, out.k8, out.d_k)
     compile_prep("absmax_per_head", v.dtype)(v, amax_v)
     compile_prep("pack_v", v.dtype)(v, amax_v, out.v_packed, out.d_v)
     return out
 
 
-def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = False) -> Prepared:
     """Quantize ``(B, S, H, 128)`` fp16/bf16 CUDA tensors q, k, v for the sm90 kernel, on the current stream.
 
-    Byte-identical to ``quant.quantize_per_block`` (q, k) and ``layout.pack_v(quant.quantize_per_head(v))``.
-    Arguments are checked by the caller (``validation``, ``support``): same device, dtype, batch and heads.
+    Byte-identical to ``layout.prepare_reference`` (``smooth_k`` as there). Arguments are checked by the
+    caller (``validation``, ``support``): same device, dtype, batch and heads.
     """
     batch, seq_q, heads, _ = q.shape
-    return prepare_into(q, k, v, empty_prepared(batch, seq_q, k.shape[1], heads, q.device))
+    return prepare_into(q, k, v, empty_prepared(batch, seq_q, k.shape[1], heads, q.device), smooth_k=smooth_k)
