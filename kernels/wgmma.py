@@ -20,6 +20,7 @@ FRACTION_BITS = 13
 E4M3_MIN_EXPONENT = -6
 """E4M3 subnormals share the exponent of the smallest normal, 2^-6."""
 ZERO_EXPONENT = -126
+MIN_ALIGN_EXPONENT = -100
 LOW_BITS_MASK = ~((1 << (23 - FRACTION_BITS)) - 1)
 PV_PROMOTE_EVERY = 2
 """Key tiles the sm90 kernel's PV wgmma adds up before its sum moves into FP32 registers."""
@@ -38,7 +39,9 @@ def _e4m3_exponent(x: torch.Tensor) -> torch.Tensor:
 def _k32_step(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """One instruction: ``a (..., M, 32) . b (..., N, 32)^T + c (..., M, N)``, a and b E4M3 values in FP32."""
     product_exponent = _e4m3_exponent(a)[..., :, None, :] + _e4m3_exponent(b)[..., None, :, :]
-    e_max = torch.maximum(product_exponent.amax(dim=-1), _exponent(c))
+    # Clamped so that 2^shift stays finite (ldexp multiplies by it: 0 * inf would be NaN for all-zero terms);
+    # nonzero E4M3 products are >= 2^-18, so the clamp never moves a bit that matters.
+    e_max = torch.maximum(product_exponent.amax(dim=-1), _exponent(c)).clamp(min=MIN_ALIGN_EXPONENT)
     shift = FRACTION_BITS - e_max
     products = a[..., :, None, :] * b[..., None, :, :]  # exact: 8 significant bits
     # Aligned and cut toward zero, every term is an integer below 2^15: their sum is exact in FP32.

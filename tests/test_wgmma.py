@@ -40,7 +40,10 @@ def test_results_keep_13_fraction_bits_and_small_integers_are_exact(fresh_seed):
     assert (out.view(torch.int32) & 0x3FF).eq(0).all()
     exact = a.double() @ b.double().transpose(-1, -2)
     scale = exact.abs().amax()
-    assert ((out.double() - exact).abs() <= 4 * 2.0**-13 * scale).all(), f"seed {fresh_seed}"
+    # Each of the 4 instructions cuts up to 33 terms by under one quantum (2^-13 of its largest term) in the
+    # same direction per sign: measured up to ~5 quanta of the largest score over 100 seeds; 12 leaves margin,
+    # and an 11-bit model (4x the quantum) measures ~22.
+    assert ((out.double() - exact).abs() <= 12 * 2.0**-13 * scale).all(), f"seed {fresh_seed}"
     ints = torch.randint(-3, 4, (2, 64, 128)).float()
     assert torch.equal(wgmma_e4m3_dot(ints, ints), ints @ ints.transpose(-1, -2))
 
@@ -66,3 +69,13 @@ def test_incoming_accumulator_continues_the_chain(fresh_seed):
     b = torch.randn(3, 72, 256).to(torch.float8_e4m3fn).float()
     first = wgmma_e4m3_dot(a[..., :128], b[..., :128])
     assert torch.equal(wgmma_e4m3_dot(a[..., 128:], b[..., 128:], first), wgmma_e4m3_dot(a, b))
+
+
+def test_all_zero_terms_sum_to_zero():
+    """Zero rows (padding queries, all-zero keys) must give 0, not NaN: 2^shift stays finite."""
+    a = torch.zeros(2, 64, 128)
+    a[1, :, :5] = torch.randn(64, 5).to(torch.float8_e4m3fn).float()
+    b = torch.randn(2, 72, 128).to(torch.float8_e4m3fn).float()
+    out = wgmma_e4m3_dot(a, b)
+    assert not out.isnan().any() and (out[0] == 0).all() and out[1].abs().sum() > 0
+    assert torch.equal(wgmma_e4m3_dot(a, torch.zeros_like(b)), torch.zeros(2, 64, 72))
