@@ -7,7 +7,8 @@ Per shape (batch 1, head dim 128, N(0, 1) bf16 inputs, two input sets rotated), 
 kernel on prepared inputs, the preparation alone, the complete Open-VC call, FlashAttention-4 BF16 and torch
 SDPA on cuDNN BF16. Median of CUDA-event-timed calls; TFLOP/s = 4 S^2 H 128 / time. Accuracy: rel-L2 of
 Open-VC against FA4 and, on sampled query rows, against float64 attention. SM and memory clocks are read
-before and after.
+before the run and right after each method's timed calls (the clocks it ran at: the H200 holds its power cap
+by lowering the SM clock).
 """
 
 import argparse
@@ -107,11 +108,13 @@ def bench_shape(seq: int, heads: int) -> dict:
         fn, args = methods[name]
         try:
             row["ms"][name] = time_ms(fn, args)
+            row.setdefault("clocks_after", {})[name] = clocks()  # read as the timed calls end: the load's clocks
         except Exception as e:  # a missing backend (FA4 not installed) must not lose the other numbers
             row["ms"][name] = float("nan")
             row.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
         row["tflops"][name] = tflops(seq, heads, row["ms"][name])
-        log(f"  {name:15s} {row['ms'][name]:9.3f} ms  {row['tflops'][name]:6.0f} TFLOP/s")
+        at = row.get("clocks_after", {}).get(name, "")
+        log(f"  {name:15s} {row['ms'][name]:9.3f} ms  {row['tflops'][name]:6.0f} TFLOP/s  (then: {at})")
 
     q, k, v = sets[0]
     ours = attention(q, k, v)

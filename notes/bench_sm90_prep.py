@@ -56,12 +56,12 @@ def main() -> None:
     kernels = {
         "copy (torch, one input)": (lambda: copy_dst.copy_(q), 2 * x_bytes),
         "quantize_per_block (Q)": (
-            lambda: prep.compile_prep("quantize_per_block", q.dtype)(q, out.q8, out.d_q),
+            lambda: prep.load_prep("quantize_per_block", q.dtype)(q, out.q8, out.d_q),
             x_bytes + x8_bytes,
         ),
-        "absmax_per_head (V)": (lambda: prep.compile_prep("absmax_per_head", v.dtype)(v, amax), x_bytes),
+        "absmax_per_head (V)": (lambda: prep.load_prep("absmax_per_head", v.dtype)(v, amax), x_bytes),
         "pack_v (V)": (
-            lambda: prep.compile_prep("pack_v", v.dtype)(v, unit_amax, out.v_packed, out.d_v),
+            lambda: prep.load_prep("pack_v", v.dtype)(v, unit_amax, out.v_packed, out.d_v),
             x_bytes + packed_bytes,
         ),
         "prepare (all four)": (lambda: prep.prepare_into(q, k, v, out), 4 * x_bytes + 2 * x8_bytes + packed_bytes),
@@ -92,7 +92,7 @@ def smoke(kind: str) -> None:
     faulthandler.dump_traceback_later(float(os.environ.get("SMOKE_WATCHDOG_S", 45)), exit=True)
     say = lambda **kw: print(json.dumps({"kind": kind, **kw}), flush=True)
     t = time.perf_counter()
-    fn = prep.compile_prep(kind, torch.bfloat16)
+    fn = prep.load_prep(kind, torch.bfloat16)
     say(step="compiled", s=round(time.perf_counter() - t, 2))
     for batch, seq_len, heads in SMOKE_SHAPES:
         shape = dict(B=batch, S=seq_len, H=heads)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from openvc_kernels import compile_cache
 from openvc_kernels.ops import attention, attention_prepared, prepare
 from openvc_kernels.sm90.layout import Prepared, prepare_reference
 from openvc_kernels.reference import reference_attention
@@ -154,3 +155,16 @@ def test_smooth_k_matches_reference():
     q, k, v = _inputs(1, 2000, 2000, 2)
     k[..., :4] += 20.0
     _assert_matches(attention(q, k, v, smooth_k=True), q, k, v, smooth_k=True)
+
+
+def test_kernels_loaded_from_the_disk_cache_give_the_same_bytes(tmp_path, monkeypatch):
+    """A new process (an empty in-memory cache) loads the object files the first one wrote, and they run."""
+    monkeypatch.setenv(compile_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(compile_cache, "_loaded", {})
+    q, k, v = _inputs(2, 1000, 1000, 3)
+    compiled = attention(q, k, v)
+    assert len(list(tmp_path.glob("*.o"))) == 4  # the forward kernel and the three preparation kernels
+    compile_cache._loaded.clear()
+    loaded = attention(q, k, v)
+    assert all(type(kernel).__name__ == "Function" for kernel in compile_cache._loaded.values())
+    assert torch.equal(loaded, compiled)

@@ -28,6 +28,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Uint8
 
+from ..compile_cache import load_or_compile
 from ..quant import ABSMAX_FLOOR, BLOCK, FP8_MAX, num_blocks, quantize_per_block, smooth_keys
 from .layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS, PV_N, Prepared
 
@@ -143,7 +144,7 @@ class QuantizePerBlock:
     def kernel(self, mX: cute.Tensor, mX8: cute.Tensor, mD: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         reduction_buffer = smem.allocate_tensor(Float32, cute.make_layout(WARPS))
 
         tXrX = _load_block(mX, b, h, n, tidx)
@@ -179,7 +180,7 @@ class AbsmaxPerHead:
     def kernel(self, mV: cute.Tensor, mAmax: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         reduction_buffer = smem.allocate_tensor(Float32, cute.make_layout(WARPS))
 
         x = _load_block(mV, b, h, n, tidx).load().to(Float32)
@@ -210,7 +211,7 @@ class PackV:
     def kernel(self, mV: cute.Tensor, mAmax: cute.Tensor, mVp: cute.Tensor, mDv: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         # sV8: (key 128, channel 128):(128, 1) bytes.
         sV8 = smem.allocate_tensor(
             cutlass.Float8E4M3FN, cute.make_layout((BLOCK, HEAD_DIM), stride=(HEAD_DIM, 1)), byte_alignment=16
@@ -274,7 +275,12 @@ def _row_major_fake(dtype: type[cutlass.Numeric], shape: tuple, align: int):
     return cute.runtime.make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
 
 
-@functools.cache
+def load_prep(kind: str, dtype: torch.dtype):
+    """``compile_prep(kind, dtype)``, compiled once per machine (``compile_cache``)."""
+    name = f"prep_{kind}_{str(dtype).removeprefix('torch.')}"
+    return load_or_compile(name, lambda: compile_prep(kind, dtype))
+
+
 def compile_prep(kind: str, dtype: torch.dtype):
     """Compile one preparation kernel (``"quantize_per_block"``, ``"absmax_per_head"``, ``"pack_v"``)
     for fp16 or bf16 inputs; set ``CUTE_DSL_ARCH=sm_90a`` to compile without a GPU."""
@@ -348,7 +354,7 @@ def prepare_into(
     """
     q, v = _kernel_ready(q), _kernel_ready(v)
     amax_v = torch.zeros(v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
-    compile_prep("quantize_per_block", q.dtype)(q, out.q8, out.d_q)
+    load_prep("quantize_per_block", q.dtype)(q, out.q8, out.d_q)
     if smooth_k:
         # The mean spans the whole sequence, so smoothed K is quantized by PyTorch, in FP32 as the reference.
         k8, d_k = quantize_per_block(smooth_keys(k.transpose(1, 2)))
@@ -356,9 +362,9 @@ def prepare_into(
         out.d_k.copy_(d_k)
     else:
         k = _kernel_ready(k)
-        compile_prep("quantize_per_block", k.dtype)(k, out.k8, out.d_k)
-    compile_prep("absmax_per_head", v.dtype)(v, amax_v)
-    compile_prep("pack_v", v.dtype)(v, amax_v, out.v_packed, out.d_v)
+        load_prep("quantize_per_block", k.dtype)(k, out.k8, out.d_k)
+    load_prep("absmax_per_head", v.dtype)(v, amax_v)
+    load_prep("pack_v", v.dtype)(v, amax_v, out.v_packed, out.d_v)
     return out
 
 
