@@ -25,10 +25,11 @@ every run, under cuDNN only in the sdpa run.
 Per backend: seconds per step (median of the timed steps, CUDA events), the share of step time spent in
 attention calls (Open-VC's quantization included), peak memory over the timed steps (torch.cuda
 .max_memory_allocated, weights included), speedup over FA4 and over SDPA, the backends that took the calls (a
-fallback is flagged), and PSNR against the sdpa run. PSNR is taken on the final latents, not on decoded frames:
-decoding 16-channel Wan latents needs the real Wan VAE, which this benchmark does not download; the peak is
-the sdpa latents' range (max - min). Random weights give near-uniform attention, so this PSNR checks that
-nothing is broken; it does not measure quality on real video.
+fallback is flagged), and PSNR against the sdpa run: on the final latents, and on frames decoded from the first
+--decode-frames latent frames by a Wan 2.1 VAE (AutoencoderKLWan's default configuration, seeded random
+weights, float32; nothing is downloaded), with SSIM on those frames. Peaks are the sdpa run's range (max - min).
+Random weights give near-uniform attention, so these figures check that nothing is broken; they do not measure
+quality on real video (examples/generate.py does, with real weights).
 
 --tiny runs the same code on openvc_diffusers.tiny's transformer and latent size, float32 on the CPU, with
 sdpa and openvc (its PyTorch reference) only: a smoke test of the script, not a benchmark.
@@ -46,15 +47,15 @@ import traceback
 from contextlib import nullcontext
 
 import torch
-from diffusers import WanTransformer3DModel
+from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from openvc_diffusers.backends import fa4_installed
-from openvc_diffusers.metrics import psnr
+from openvc_diffusers.metrics import psnr, ssim
 from openvc_diffusers.pipelines import install
 from openvc_diffusers.policy import FA4, OPENVC_KERNEL, OPENVC_REFERENCE, SDPA
-from openvc_diffusers.tiny import cast_like_from_pretrained, tiny_wan_inputs, tiny_wan_transformer
+from openvc_diffusers.tiny import cast_like_from_pretrained, tiny_wan_inputs, tiny_wan_transformer, tiny_wan_vae
 
 WAN_1_3B = dict(
     patch_size=(1, 2, 2),
@@ -112,6 +113,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=positive_int, default=3, help="timed denoising steps (default: %(default)s)")
     parser.add_argument("--cfg", action="store_true", help="classifier-free guidance: two forwards per step")
     parser.add_argument(
+        "--decode-frames",
+        type=int,
+        default=2,
+        help="latent frames to decode for the frame PSNR, 0 for none (default: %(default)s, 5 video frames)",
+    )
+    parser.add_argument(
         "--layers", type=positive_int, help="transformer blocks (default: 30, or 1 with --single-block-14b)"
     )
     parser.add_argument(
@@ -130,6 +137,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0, help="weights, inputs and backend order (default: 0)")
     args = parser.parse_args(argv)
+    if args.decode_frames < 0:
+        parser.error(f"--decode-frames must be >= 0, got {args.decode_frames}")
     full_size_options = args.size or args.layers or args.single_block_14b
     if args.tiny and full_size_options:
         parser.error("--tiny has its own size and layers: --size, --layers and --single-block-14b do not apply")
@@ -155,6 +164,24 @@ def build_model(args: argparse.Namespace, device: str) -> WanTransformer3DModel:
     with torch.device(device):  # initialised on the GPU: seconds rather than a minute on the CPU
         model = WanTransformer3DModel(**config)
     return cast_like_from_pretrained(model, torch.bfloat16).eval()
+
+
+def build_vae(args: argparse.Namespace, device: str) -> AutoencoderKLWan:
+    if args.tiny:
+        return tiny_wan_vae(seed=args.seed)
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        return AutoencoderKLWan().eval()
+
+
+def decode(vae: AutoencoderKLWan, latents: torch.Tensor, frames: int) -> torch.Tensor:
+    """The first ``frames`` latent frames as video frames ``(T, H, W, 3)``, float32, as WanPipeline decodes
+    them (latents scaled by the VAE's statistics)."""
+    z = latents[:, :, :frames].to(vae.dtype)
+    mean, std = (torch.tensor(vae.config[key]).view(1, -1, 1, 1, 1).to(z) for key in ("latents_mean", "latents_std"))
+    with torch.no_grad():
+        video = vae.decode(z * std + mean, return_dict=False)[0]  # (1, 3, T, H, W)
+    return video[0].permute(1, 2, 3, 0).float()
 
 
 def tokens(model: WanTransformer3DModel, latent: tuple[int, int, int]) -> int:
@@ -275,7 +302,7 @@ def run_backend(model, name: str, timer: AttentionTimer, noise, texts, sigmas) -
     return row, latents
 
 
-def bench_size(model, processors, size: str, latent, args, order: list[str], device: str) -> dict:
+def bench_size(model, vae, processors, size: str, latent, args, order: list[str], device: str) -> dict:
     noise, texts = make_inputs(model, latent, args.cfg, args.seed, device)
     sigmas = torch.linspace(1, 0, args.steps + 1, device=device)
     row = {"size": size, "latent": list(latent), "tokens": tokens(model, latent), "order": order, "backends": {}}
@@ -290,7 +317,8 @@ def bench_size(model, processors, size: str, latent, args, order: list[str], dev
             continue
         latents[name] = final
         log(f"  {name}: {result['s_per_step']:.3f} s/step, calls {result['calls']}")
-    compare(row["backends"], latents)
+    frames = {name: decode(vae, final, args.decode_frames) for name, final in latents.items()} if vae else {}
+    compare(row["backends"], latents, frames)
     return row
 
 
@@ -306,25 +334,31 @@ def try_backend(model, name: str, processors, noise, texts, sigmas) -> tuple[dic
         return {"available": False, "reason": f"{type(e).__name__}: {e}"}, None
 
 
-def compare(results: dict[str, dict], latents: dict[str, torch.Tensor]) -> None:
-    """Speedups over FA4 and SDPA, and PSNR of the final latents against SDPA's, into each available row."""
-    ref = latents.get("sdpa")
+def compare(results: dict[str, dict], latents: dict[str, torch.Tensor], frames: dict[str, torch.Tensor]) -> None:
+    """Speedups over FA4 and SDPA, and PSNR (latents, decoded frames) and SSIM (frames) against SDPA's run, into
+    each available row."""
     for name, row in results.items():
         if not row["available"]:
             continue
         for base in ("fa4", "sdpa"):
             base_s = results[base]["s_per_step"] if results.get(base, {}).get("available") else None
             row[f"speedup_vs_{base}"] = base_s / row["s_per_step"] if base_s else None
-        compared = ref is not None and name != "sdpa"
-        row["psnr_vs_sdpa_db"] = (
-            psnr(latents[name], ref, data_range=(ref.max() - ref.min()).item()) if compared else None
-        )
+        row["psnr_vs_sdpa_db"] = _against_sdpa(psnr, latents, name)
+        row["frames_psnr_vs_sdpa_db"] = _against_sdpa(psnr, frames, name)
+        row["frames_ssim_vs_sdpa"] = _against_sdpa(ssim, frames, name)
+
+
+def _against_sdpa(metric, outputs: dict[str, torch.Tensor], name: str) -> float | None:
+    ref = outputs.get("sdpa")
+    if ref is None or name == "sdpa" or name not in outputs:
+        return None
+    return metric(outputs[name], ref, data_range=(ref.max() - ref.min()).item())
 
 
 def table(rows: list[dict]) -> str:
     head = (
         f"{'size':>5} | {'backend':>7} | {'s/step':>7} | {'attn %':>6} | {'self %':>6} | {'peak GiB':>8} | "
-        f"{'x FA4':>5} | {'x SDPA':>6} | {'PSNR dB':>7} | self-attention calls"
+        f"{'x FA4':>5} | {'x SDPA':>6} | {'PSNR dB':>7} | {'frames':>6} | {'SSIM':>6} | self-attention calls"
     )
     lines = [head, "-" * len(head)]
     for row in rows:
@@ -338,7 +372,8 @@ def table(rows: list[dict]) -> str:
                 f"{row['size']:>5} | {name:>7} | {r['s_per_step']:7.3f} | {r['attention_share']:6.0%} | "
                 f"{r['self_attention_share']:6.0%} | {fmt(r['peak_memory_gib'], 8, '.2f')} | "
                 f"{fmt(r['speedup_vs_fa4'], 5, '.2f')} | {fmt(r['speedup_vs_sdpa'], 6, '.2f')} | "
-                f"{fmt(r['psnr_vs_sdpa_db'], 7, '.2f')} | {calls}{'  FALLBACK' if 'fallback' in r else ''}"
+                f"{fmt(r['psnr_vs_sdpa_db'], 7, '.2f')} | {fmt(r['frames_psnr_vs_sdpa_db'], 6, '.2f')} | "
+                f"{fmt(r['frames_ssim_vs_sdpa'], 6, '.4f')} | {calls}{'  FALLBACK' if 'fallback' in r else ''}"
             )
     return "\n".join(lines)
 
@@ -352,6 +387,7 @@ def main(argv=None) -> dict:
     device = "cpu" if args.tiny else "cuda"
     rng = random.Random(args.seed)
     model = build_model(args, device)
+    vae = build_vae(args, device) if args.decode_frames else None
     names = ["sdpa", "openvc"] if args.tiny else ["fa4", "sdpa", "openvc"]
     processors = install_backends(model, [n for n in names if n != "fa4" or fa4_installed()])
     meta = {
@@ -362,7 +398,8 @@ def main(argv=None) -> dict:
         "dtype": str(model.dtype).removeprefix("torch."),
         "steps": args.steps,
         "cfg": args.cfg,
-        "psnr_on": "final latents (no VAE), peak = range of the sdpa latents",
+        "psnr_on": f"final latents, and {args.decode_frames} latent frames decoded by a random-weight Wan VAE; "
+        "peaks = the sdpa run's range",
         "clocks_before": clocks() if device == "cuda" else None,
     }
     log(f"{meta['model']} ({meta['config']['num_layers']} layers, {meta['dtype']}) on {meta['device']}")
@@ -371,14 +408,14 @@ def main(argv=None) -> dict:
     rows = []
     for size, latent in latent_sizes(args).items():
         order = rng.sample(names, len(names))
-        rows.append(bench_size(model, processors, size, latent, args, order, device))
+        rows.append(bench_size(model, vae, processors, size, latent, args, order, device))
     meta["clocks_after"] = clocks() if device == "cuda" else None
     if meta["clocks_after"]:
         log(f"clocks after: {meta['clocks_after']}")
     results = {"meta": meta, "rows": rows}
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
-    log(f"wrote {args.json}; PSNR is on the final latents against the sdpa run")
+    log(f"wrote {args.json}; PSNR: final latents, then decoded frames, against the sdpa run")
     log(table(rows))
     return results
 

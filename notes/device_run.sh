@@ -4,6 +4,8 @@
 #   prep   tests/test_sm90_prep.py with its GPU tests enabled (only when every smoke run passed)
 #   tests  ${TESTS} (default tests/test_sm90_gpu.py)
 #   bench  examples/bench_attention.py ${BENCH_ARGS}
+#   ncu    Nsight Compute on one forward-kernel launch at 32,760 x 12 (notes/kernel_once.py)
+#   pipeline  examples/bench_pipeline.py ${PIPELINE_ARGS}
 # libs-cu13 is over one call's carry limit, so a cold machine takes two calls: the first carries .whl/a (exit 3:
 # "stashed"), the second .whl/b; a warm machine with /tmp/site installed needs neither.
 set -u
@@ -17,7 +19,7 @@ if [ ! -f /tmp/site/.installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $STASH/*.whl || exit 4
   touch /tmp/site/.installed
 fi
-mkdir -p /tmp/pkg && ln -sfn "$PWD/kernels" /tmp/pkg/openvc_kernels
+mkdir -p /tmp/pkg && ln -sfn "$PWD/kernels" /tmp/pkg/openvc_kernels && ln -sfn "$PWD/openvc_diffusers" /tmp/pkg/openvc_diffusers
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/pkg
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv
 # conftest imports diffusers, which the device image lacks; the sm90 tests need none of it.
@@ -37,6 +39,15 @@ for stage in ${STAGES:-smoke prep tests bench}; do
       timeout -k 5 90 python3 notes/bench_sm90_prep.py 2>&1 | tee $OUT/prep_bench.log | tail -n 12 ;;
     tests)
       timeout -k 5 ${TESTS_TIMEOUT:-300} $PYTEST ${TESTS:-tests/test_sm90_gpu.py} 2>&1 | tee $OUT/pytest.log | tail -n 25 ;;
+    ncu)
+      timeout -k 5 ${NCU_TIMEOUT:-150} ncu --clock-control none -k regex:ExpCastAttentionSm90 --launch-skip 1 \
+        --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+        --section SchedulerStats --section Occupancy --section LaunchStats \
+        --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second \
+        python3 notes/kernel_once.py 2>&1 | tee $OUT/ncu.log | tail -n 120 ;;
+    pipeline)
+      timeout -k 5 ${PIPELINE_TIMEOUT:-400} python3 examples/bench_pipeline.py ${PIPELINE_ARGS:---size 480p,720p --steps 3} \
+        --json $OUT/bench_pipeline.json 2>&1 | tee $OUT/bench_pipeline.log | grep -v "^    " ;;
     bench)
       timeout -k 5 ${BENCH_TIMEOUT:-280} python3 examples/bench_attention.py ${BENCH_ARGS:-} --json $OUT/bench.json 2>&1 \
         | tee $OUT/bench.log ;;

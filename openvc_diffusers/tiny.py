@@ -59,17 +59,7 @@ def tiny_wan_pipeline(
                 dropout_rate=0.0,
             )
         )
-        vae = AutoencoderKLWan(
-            base_dim=8,
-            z_dim=_Z_DIM,
-            # Four levels and two temporal downsamples keep Wan's 8x spatial / 4x temporal compression.
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-            # The default latent statistics have one entry per channel of the 16-channel Wan VAE.
-            latents_mean=[0.0] * _Z_DIM,
-            latents_std=[1.0] * _Z_DIM,
-        )
+        vae = _tiny_vae()
         transformer = _tiny_transformer()
 
     # Wan 2.1's own scheduler configuration (flow matching through UniPC, shift 3.0 for 480p).
@@ -84,6 +74,27 @@ def tiny_wan_pipeline(
         scheduler=scheduler,
         transformer=cast_like_from_pretrained(transformer, dtype).to(device).eval(),
     )
+
+
+def _tiny_vae() -> AutoencoderKLWan:
+    return AutoencoderKLWan(
+        base_dim=8,
+        z_dim=_Z_DIM,
+        # Four levels and two temporal downsamples keep Wan's 8x spatial / 4x temporal compression.
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        # The default latent statistics have one entry per channel of the 16-channel Wan VAE.
+        latents_mean=[0.0] * _Z_DIM,
+        latents_std=[1.0] * _Z_DIM,
+    )
+
+
+def tiny_wan_vae(*, seed: int = 0) -> AutoencoderKLWan:
+    """The tiny pipeline's VAE on its own, float32 on the CPU."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _tiny_vae().eval()
 
 
 def _tiny_transformer(image_dim: int | None = None) -> WanTransformer3DModel:

@@ -21,6 +21,8 @@ BACKEND_KEYS = {
     "speedup_vs_fa4",
     "speedup_vs_sdpa",
     "psnr_vs_sdpa_db",
+    "frames_psnr_vs_sdpa_db",
+    "frames_ssim_vs_sdpa",
 }
 
 
@@ -53,6 +55,9 @@ def test_tiny_runs_every_backend_and_writes_json(tmp_path, capsys):
     assert row["backends"]["sdpa"]["speedup_vs_sdpa"] == 1
     # Open-VC's numerics change the latents, but only slightly.
     assert 20 < row["backends"]["openvc"]["psnr_vs_sdpa_db"] < math.inf
+    assert 20 < row["backends"]["openvc"]["frames_psnr_vs_sdpa_db"] < math.inf  # 5 decoded frames
+    assert 0.5 < row["backends"]["openvc"]["frames_ssim_vs_sdpa"] < 1
+    assert row["backends"]["sdpa"]["frames_psnr_vs_sdpa_db"] is None
     assert "openvc-reference 8" in capsys.readouterr().out.splitlines()[-2]  # the table comes last
 
 
