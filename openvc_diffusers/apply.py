@@ -25,6 +25,7 @@ from .processors import (
     OpenVCProcessor,
     OpenVCProcessorBase,
 )
+from .processors.base import count_compiled_calls
 from .steps import StepTracker
 
 TRANSFORMER_ATTRS = ("transformer", "transformer_2")  # Wan 2.2 A14B has a high- and a low-noise expert
@@ -106,7 +107,7 @@ def apply(target, config=None) -> OpenVCProcessorBase:
         raise ValueError(f"apply() takes transformers of one family, got {', '.join(sorted(f.name for f in families))}")
     config = load_config(config)
     processor = plans[0][0].processor(config)
-    processor.step_tracker = StepTracker()
+    processor.step_tracker = StepTracker(watched=config.bf16_steps)
     if config.ulysses_degree > 1:
         processor._parallel_config = enable_ulysses(models, config.ulysses_degree)
     for model, (_, modules) in zip(models, plans):
@@ -117,4 +118,5 @@ def apply(target, config=None) -> OpenVCProcessorBase:
             else:
                 module.processor = processor
         model.register_forward_pre_hook(processor.step_tracker, with_kwargs=True)
+        model.register_forward_pre_hook(count_compiled_calls)
     return processor

@@ -19,6 +19,8 @@ REFERENCE_WARNING = (
 )
 
 
+# Under torch.compile this runs while tracing, not in the graph: no graph break at the logger, no guard on _said.
+@torch.compiler.assume_constant_result
 def warn_once(message: str) -> None:
     if message not in _said:
         _said.add(message)

@@ -15,8 +15,15 @@ FA4_DTYPES = (torch.float16, torch.bfloat16)
 FA4_MAX_HEAD_DIM = 256
 
 
-@functools.cache
+# torch.compile runs this while tracing and keeps the answer instead of tracing it: it would trace through the
+# cache into importlib's find_spec, a graph break at every call with torch 2.11.
+@torch.compiler.assume_constant_result
 def fa4_installed() -> bool:
+    return _fa4_found()
+
+
+@functools.cache
+def _fa4_found() -> bool:
     find = importlib.util.find_spec
     return find("flash_attn") is not None and find("flash_attn.cute") is not None
 

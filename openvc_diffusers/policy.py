@@ -63,7 +63,15 @@ def openvc_unavailable_reason(config: OpenVCConfig, call: Call) -> str | None:
         return f"{q.shape[1]} query tokens < min_tokens {config.min_tokens}"
     if q.device.type == "cpu":
         return None  # the reference runs anywhere
-    return openvc_kernels.kernel_unavailable_reason(q)
+    return kernel_unavailable_reason(q.device, q.dtype, q.shape[-1])
+
+
+@torch.compiler.assume_constant_result
+def kernel_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """``openvc_kernels.kernel_unavailable_reason`` for queries of this device, dtype and head dim. torch.compile
+    runs it while tracing and keeps the answer (the tensor's guards cover all three) instead of tracing it: its
+    package lookup (importlib's find_spec) is a graph break at every call with torch 2.11."""
+    return openvc_kernels.kernel_unavailable_reason(torch.empty(0, head_dim, dtype=dtype, device=device))
 
 
 def decide(config: OpenVCConfig, call: Call) -> Decision:

@@ -24,6 +24,16 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """torch.compile as in a new process: compiled code of earlier tests (the same forward functions, on other
+    models) would count towards the recompile limit, and their graph breaks towards Dynamo's counters."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Float64 softmax attention on (B, S, H, D)."""
     q, k, v = (x.double().transpose(1, 2) for x in (q, k, v))

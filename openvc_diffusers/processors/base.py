@@ -36,13 +36,26 @@ def context_qkv(attn: torch.nn.Module, context: torch.Tensor) -> tuple[torch.Ten
     )
 
 
+# Every live processor: the hook below covers those installed after apply's, such as pipelines.install's.
+_PROCESSORS: weakref.WeakSet["OpenVCProcessorBase"] = weakref.WeakSet()
+
+
+@torch.compiler.disable
+def count_compiled_calls(*hook_args) -> None:
+    """Forward pre-hook (``apply`` installs it): add the calls of the compiled forwards since the last one to each
+    processor's ``calls``, so that every compiled forward starts with none pending."""
+    for processor in _PROCESSORS:
+        processor._count_compiled_calls()
+
+
 class OpenVCProcessorBase:
     """Base of the family processors; ``config`` is anything ``openvc_diffusers.load_config`` takes.
 
     Self-attention layers (joint video+text attention included) are numbered in the order they first run, for
     ``bf16_layers``; the denoising step, for ``bf16_steps``, comes from the ``step_tracker`` that
     ``openvc_diffusers.apply`` installs. ``calls`` counts the calls per ``(kind, backend)``, kind being "self"
-    or "cross".
+    or "cross": under torch.compile too when ``apply`` installed the processor, while a CUDA graph's replays add
+    nothing (its calls are counted once, at capture).
     """
 
     # Set by diffusers' set_attention_backend, as on its own processors; _parallel_config by
@@ -52,13 +65,34 @@ class OpenVCProcessorBase:
 
     def __init__(self, config=None):
         self.config = load_config(config)
-        self.calls: Counter[tuple[str, str]] = Counter()
         self.step_tracker = None
         self._layers: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+        self._calls: Counter[tuple[str, str]] = Counter()
+        self._compiled_calls: dict[tuple[str, str], int] = {}
+        _PROCESSORS.add(self)
+
+    @property
+    def calls(self) -> Counter[tuple[str, str]]:
+        """Calls per ``(kind, backend)``; those of compiled forwards are added when this is read."""
+        self._count_compiled_calls()
+        return self._calls
 
     @property
     def step(self) -> int | None:
         return None if self.step_tracker is None else self.step_tracker.step
+
+    def _count(self, kind: str, backend: str) -> None:
+        if not torch.compiler.is_compiling():
+            self._calls[kind, backend] += 1
+        elif self.step_tracker is not None:
+            # Traced, `calls[key] += 1` is a guard on the count: a recompile at every call. A compiled forward
+            # counts into _compiled_calls, which apply's pre-hook (installed with step_tracker) empties before every
+            # forward, so its guard is on an empty dict and holds. Without that hook compiled calls go uncounted.
+            self._compiled_calls[kind, backend] = self._compiled_calls.get((kind, backend), 0) + 1
+
+    def _count_compiled_calls(self) -> None:
+        self._calls.update(self._compiled_calls)
+        self._compiled_calls.clear()
 
     def _layer(self, attn: torch.nn.Module) -> int:
         return self._layers.setdefault(attn, len(self._layers))
@@ -95,9 +129,11 @@ class OpenVCProcessorBase:
         q_seen = q[:, :valid_len] if trim and pad_queries else q
         layer = None if is_cross else self._layer(attn)
         has_mask = attn_mask is not None and not trim
-        call = Call(q_seen, is_cross=is_cross, has_mask=has_mask, layer=layer, step=self.step)
+        # watched_step, not step: a guard on the step would recompile a compiled model at every step.
+        step = None if self.step_tracker is None else self.step_tracker.watched_step
+        call = Call(q_seen, is_cross=is_cross, has_mask=has_mask, layer=layer, step=step)
         decision = decide(self.config, call)
-        self.calls["cross" if is_cross else "self", decision.backend] += 1
+        self._count("cross" if is_cross else "self", decision.backend)
         if trim and decision.backend != SDPA:
             out = run(decision, self.config, q_seen, k[:, :valid_len], v[:, :valid_len])
             out = F.pad(out, (0, 0, 0, 0, 0, q.shape[1] - q_seen.shape[1]))

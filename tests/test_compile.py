@@ -1,0 +1,105 @@
+"""The processor's Python side under torch.compile and CUDA-graph capture, on the CPU: compiled forwards are
+counted and trace into one graph, compiled once per routing rather than once per call or per step, and step
+tracking leaves a capture alone. tests/test_gpu_diffusers.py runs the model on the Hopper kernel."""
+
+import importlib
+import logging
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import openvc_diffusers
+import openvc_kernels
+from openvc_diffusers import OpenVCProcessor, backends, policy
+from openvc_diffusers.tiny import tiny_wan_inputs, tiny_wan_transformer
+
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
+
+# The module, not the attention() function that the package exports under the same name.
+attention_module = importlib.import_module("openvc_diffusers.attention")
+
+SELF, CROSS, OPENVC, SDPA = "self", "cross", "openvc-reference", "sdpa"
+
+
+def run_steps(model, inputs, timesteps) -> None:
+    with torch.no_grad():
+        for timestep in timesteps:
+            model(**{**inputs, "timestep": torch.tensor([timestep])})
+
+
+def test_compiled_forwards_are_counted_in_one_graph_without_recompiling(caplog, monkeypatch):
+    monkeypatch.setattr(attention_module, "_said", set())  # the reference's warning is logged while tracing
+    model, inputs = tiny_wan_transformer(), tiny_wan_inputs()
+    processor = openvc_diffusers.apply(model, {"min_tokens": 0})
+    backend = CompileCounter()
+    compiled = torch.compile(model, backend=backend)
+    with caplog.at_level(logging.WARNING, "openvc_diffusers"):
+        # The first forward numbers the layers, a change the second one's guards see: one recompile.
+        run_steps(compiled, inputs, [900, 800])
+        # A guard on a count or on the step would fail here, and the error would name it.
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            run_steps(compiled, inputs, [700, 600])
+    assert processor.calls == {(SELF, OPENVC): 8, (CROSS, SDPA): 8}
+    assert backend.frame_count == 2
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert [r.getMessage() for r in caplog.records] == [attention_module.REFERENCE_WARNING]
+
+
+def test_compiled_bf16_steps_recompile_only_where_the_routing_changes():
+    model, inputs = tiny_wan_transformer(), tiny_wan_inputs()
+    processor = openvc_diffusers.apply(model, {"min_tokens": 0, "bf16_steps": [1]})
+    run_steps(model, inputs, [900])  # step 0, eagerly: the layers are numbered before compiling
+    backend = CompileCounter()
+    run_steps(torch.compile(model, backend=backend), inputs, [800, 700, 600, 500])
+    assert processor.step == 4
+    assert processor.calls == {(SELF, OPENVC): 8, (SELF, SDPA): 2, (CROSS, SDPA): 10}
+    assert backend.frame_count == 2  # step 1 has its own graph; steps 2, 3 and 4 share one
+
+
+def test_compiled_calls_of_a_processor_set_by_hand_go_uncounted_without_recompiling():
+    # Nothing empties the compiled forwards' counts between forwards without apply's pre-hook.
+    model, inputs = tiny_wan_transformer(), tiny_wan_inputs()
+    processor = OpenVCProcessor({"min_tokens": 0})
+    model.set_attn_processor(processor)
+    run_steps(model, inputs, [900])  # eagerly: the layers are numbered before compiling
+    backend = CompileCounter()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        run_steps(torch.compile(model, backend=backend), inputs, [800, 700])
+    assert processor.calls == {(SELF, OPENVC): 2, (CROSS, SDPA): 2}
+    assert backend.frame_count == 1
+
+
+def test_step_tracking_leaves_a_cuda_graph_capture_alone(monkeypatch):
+    # Under capture, reading a CUDA timestep would synchronise, which capture forbids.
+    model = tiny_wan_transformer()
+    tracker = openvc_diffusers.apply(model, {"bf16_steps": [0]}).step_tracker
+    tracker(model, (), {"timestep": torch.tensor([900])})
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    tracker(model, (), {"timestep": torch.tensor([800])})
+    assert (tracker.step, tracker.watched_step) == (0, 0)
+    monkeypatch.undo()
+    tracker(model, (), {"timestep": torch.tensor([800])})
+    assert (tracker.step, tracker.watched_step) == (1, None)
+
+
+def untraceable(answer):
+    def lookup(*args):
+        torch._dynamo.graph_break()
+        return answer
+
+    return lookup
+
+
+def test_package_lookups_are_evaluated_not_traced(monkeypatch):
+    # Both checks look packages up with importlib's find_spec, which torch 2.11 cannot trace; a graph break here
+    # would fail fullgraph.
+    monkeypatch.setattr(openvc_kernels, "kernel_unavailable_reason", untraceable("no kernel here"))
+    monkeypatch.setattr(backends, "_fa4_found", untraceable(True))
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def checks(q):
+        return q + 1, policy.kernel_unavailable_reason(q.device, q.dtype, q.shape[-1]), backends.fa4_installed()
+
+    assert checks(torch.zeros(2, 128))[1:] == ("no kernel here", True)
