@@ -24,7 +24,7 @@ mkdir -p /tmp/pkg && ln -sfn "$PWD/kernels" /tmp/pkg/openvc_kernels && ln -sfn "
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/pkg
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv
 # conftest imports diffusers, which the device image lacks; the sm90 tests need none of it.
-PYTEST="python3 -m pytest -q --noconftest -p no:cacheprovider --timeout=120 -rfEs"
+PYTEST="python3 -m pytest -q ${PYTEST_CONFTEST-"--noconftest"} -p no:cacheprovider --timeout=120 -rfEs"
 smoke_ok=1
 for stage in ${STAGES:-smoke prep tests bench}; do
   echo "== stage $stage ($(date +%T))"
