@@ -2,11 +2,17 @@
 
     python examples/bench_attention.py                       # the four video shapes, JSON to bench_attention.json
     python examples/bench_attention.py --shapes 32760x12 --json out.json
+    python examples/bench_attention.py --repair                # V residual repair and K smoothing sweep
 
 Per shape (batch 1, head dim 128, N(0, 1) bf16 inputs, two input sets rotated), in a random order: the Open-VC
 kernel on prepared inputs, the preparation alone, the complete Open-VC call, FlashAttention-4 BF16 and torch
 SDPA on cuDNN BF16. Median of CUDA-event-timed calls; TFLOP/s = 4 S^2 H 128 / time. Accuracy: rel-L2 of
-Open-VC against FA4 and, on sampled query rows, against float64 attention. SM and memory clocks are read
+Open-VC against FA4 and, on sampled query rows, against float64 attention.
+
+--repair instead sweeps V residual repair (rho in REPAIR_RATIOS) with and without K smoothing at (73397, 7) and
+(75600, 40) on three kinds of inputs: N(0, 1), V with heavy-tailed (log-normal) token norms, and K with a few
+channels carrying large offsets; per setting the complete call's time and its rel-L2 against float64 attention
+on sampled query rows. SM and memory clocks are read
 before the run and right after each method's timed calls (the clocks it ran at: the H200 holds its power cap
 by lowering the SM clock).
 """
@@ -45,12 +51,12 @@ def tflops(seq: int, heads: int, ms: float) -> float:
     return 4 * seq * seq * heads * HEAD_DIM / (ms * 1e-3) / 1e12
 
 
-def time_ms(fn, sets) -> float:
-    """Median over calls that rotate through ``sets``, about TIMED_MS of them after one warm-up call."""
+def time_ms(fn, sets, budget_ms: float = TIMED_MS) -> float:
+    """Median over calls that rotate through ``sets``, about ``budget_ms`` of them after one warm-up call."""
     fn(*sets[0])
     torch.cuda.synchronize()
     times = []
-    while sum(times) < TIMED_MS or len(times) < 5:
+    while sum(times) < budget_ms or len(times) < 5:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn(*sets[len(times) % len(sets)])
@@ -129,6 +135,57 @@ def bench_shape(seq: int, heads: int) -> dict:
     return row
 
 
+REPAIR_SHAPES = "73397x7,75600x40"
+REPAIR_RATIOS = (0.0, 0.0025, 0.005, 0.01, 0.02)
+REPAIR_INPUTS = ("normal", "heavy-tailed V", "K offsets")
+REPAIR_TIMED_MS = 600
+
+
+def repair_inputs(kind: str, seq: int, heads: int) -> list[torch.Tensor]:
+    q, k, v = (torch.randn(1, seq, heads, HEAD_DIM, device="cuda") for _ in range(3))
+    if kind == "heavy-tailed V":
+        v = v * torch.exp(1.5 * torch.randn(1, seq, heads, 1, device="cuda"))  # log-normal token norms
+    elif kind == "K offsets":
+        channels = torch.randperm(HEAD_DIM, device="cuda")[:4]
+        k[..., channels] += 8.0 * torch.randn(1, 1, heads, 4, device="cuda")
+    return [x.bfloat16() for x in (q, k, v)]
+
+
+def bench_repair(seq: int, heads: int) -> list[dict]:
+    rows = []
+    for kind in REPAIR_INPUTS:
+        q, k, v = repair_inputs(kind, seq, heads)
+        sampled = torch.randint(0, seq, (SAMPLED_ROWS,), device="cuda")
+        exact = sampled_exact(q, k, v, sampled)
+        for smooth_k in (False, True):
+            for ratio in REPAIR_RATIOS:
+                call = lambda q, k, v, r=ratio, sk=smooth_k: attention(q, k, v, repair_ratio=r, smooth_k=sk)
+                ms = time_ms(call, [[q, k, v]], REPAIR_TIMED_MS)
+                error = rel_l2(call(q, k, v)[:, sampled], exact)
+                row = dict(seq=seq, heads=heads, inputs=kind, smooth_k=smooth_k, ratio=ratio, ms=ms, rel_l2=error)
+                rows.append(row)
+                log(f"  {kind:14s} smooth_k={smooth_k!s:5s} rho={ratio:<6} {ms:8.2f} ms  rel-L2 vs f64 {error:.4f}")
+    return rows
+
+
+def repair_table(rows: list[dict]) -> str:
+    """Each setting against rho = 0 with the same inputs and K smoothing: time and error changes."""
+    head = (
+        f"{'S x H':>11} | {'inputs':>14} | smooth_k | {'rho':>6} | {'ms':>8} | {'+ms %':>6} | "
+        f"{'L2 vs f64':>9} | {'L2 change':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    base = {(r["seq"], r["inputs"], r["smooth_k"]): r for r in rows if r["ratio"] == 0.0}
+    for r in rows:
+        b = base[r["seq"], r["inputs"], r["smooth_k"]]
+        lines.append(
+            f"{r['seq']:>6}x{r['heads']:<4} | {r['inputs']:>14} | {r['smooth_k']!s:>8} | {r['ratio']:6.4f} | "
+            f"{r['ms']:8.2f} | {100 * (r['ms'] / b['ms'] - 1):+6.1f} | {r['rel_l2']:9.4f} | "
+            f"{100 * (r['rel_l2'] / b['rel_l2'] - 1):+8.1f}%"
+        )
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     head = (
         f"{'S x H':>11} | {'kernel':>14} | {'call':>14} | {'prep ms':>7} | {'FA4 BF16':>14} | "
@@ -155,6 +212,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--shapes", default=SHAPES, help="comma-separated SxH (default: %(default)s)")
     parser.add_argument("--json", default="bench_attention.json", help="where to write the rows (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="order of the methods and the inputs")
+    parser.add_argument("--repair", action="store_true", help="the V residual repair and K smoothing sweep")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU (Hopper for Open-VC)")
@@ -163,16 +221,20 @@ def main(argv=None) -> list[dict]:
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "clocks_before": clocks()}
     log(f"{meta['gpu']}, clocks (sm, mem, temp, power) before: {meta['clocks_before']}")
     rows = []
-    for shape in args.shapes.split(","):
+    shapes = REPAIR_SHAPES if args.repair and args.shapes == SHAPES else args.shapes
+    for shape in shapes.split(","):
         seq, heads = map(int, shape.split("x"))
         log(f"S={seq} H={heads}")
-        rows.append(bench_shape(seq, heads))
+        if args.repair:
+            rows.extend(bench_repair(seq, heads))
+        else:
+            rows.append(bench_shape(seq, heads))
         torch.cuda.empty_cache()
     meta["clocks_after"] = clocks()
     log(f"clocks after: {meta['clocks_after']}")
     with open(args.json, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    log(table(rows))
+    log(repair_table(rows) if args.repair else table(rows))
     return rows
 
 

@@ -13,6 +13,7 @@ import torch
 from .expcast import CODES_PER_NAT
 from .sm90.layout import HEAD_DIM, PV_N, Prepared
 from .compile_cache import load_or_compile
+from .repair import add_repair_rows
 from .support import kernel_unavailable_reason
 from .validation import check_attention_args
 
@@ -33,7 +34,7 @@ def compile_attention(plain_order: bool, **config):
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     batch, heads = cute.sym_int(), cute.sym_int()
     s_q_pad, s_k_pad = cute.sym_int(divisibility=TILE_M), cute.sym_int(divisibility=TILE_N)
-    n_q, n_k, s_q = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    n_q, n_k, s_q, n_r = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
 
     def row_major(dtype, shape, align):
         return cute.runtime.make_fake_compact_tensor(
@@ -47,9 +48,11 @@ def compile_attention(plain_order: bool, **config):
         row_major(cutlass.Float32, (batch, heads, n_q), 4),
         row_major(cutlass.Float32, (batch, heads, n_k), 4),
         row_major(cutlass.Float32, (batch, heads), 4),
+        row_major(cutlass.Float32, (batch, heads, n_r), 4),
         row_major(cutlass.BFloat16, (batch, s_q, heads, HEAD_DIM), 16),
         cutlass.Float32(1.0),
         cutlass.Int32(1),
+        cutlass.Int32(0),
         cutlass.Int32(0),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
@@ -63,12 +66,24 @@ def _kernel(plain_order: bool, **config):
     return load_or_compile(name, lambda: compile_attention(plain_order, **config))
 
 
-def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = False) -> Prepared:
-    """Quantize ``(B, S, H, 128)`` q, k, v as ``reference_attention`` does, and pack V for the kernel:
-    the bytes of ``prepare_reference``, from the fused kernels on the current stream."""
+def prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    smooth_k: bool = False,
+    repair_ratio: float = 0.0,
+    repair_ranking: str = "attention",
+    softmax_scale: float | None = None,
+) -> Prepared:
+    """Quantize ``(B, S, H, 128)`` q, k, v as ``reference_attention`` does, and pack V for the kernel: the bytes
+    of ``prepare_reference`` from the fused kernels, then the V residual repair keys (``repair``), on the current
+    stream. ``softmax_scale`` (default ``1 / sqrt(128)``) weighs the "attention" repair ranking."""
     from .sm90 import prep
 
-    return prep.prepare(q, k, v, smooth_k=smooth_k)
+    prepared = prep.prepare(q, k, v, smooth_k=smooth_k)
+    tau = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return add_repair_rows(prepared, q, k, v, ratio=repair_ratio, ranking=repair_ranking, softmax_scale=tau)
 
 
 def attention_prepared(
@@ -77,26 +92,40 @@ def attention_prepared(
     """Run the kernel on prepared inputs into ``out`` ((B, S_q, H, 128) bf16, contiguous); returns ``out``."""
     codes_per_score = float(torch.tensor(softmax_scale * CODES_PER_NAT, dtype=torch.float32))
     p = prepared
+    # Without repair the kernel never reads d_k_repair: a compact (B, H, 1) stand-in, never an empty tensor.
+    d_k_repair = p.d_k_repair if p.repair_tiles else p.d_v[..., None]
     _kernel(window is None, **config)(
-        p.q8, p.k8, p.v_packed, p.d_q, p.d_k, p.d_v, out, codes_per_score, p.seqlen_k, window or 0
+        p.q8, p.k8, p.v_packed, p.d_q, p.d_k, p.d_v, d_k_repair, out,
+        codes_per_score, p.seqlen_k, window or 0, p.repair_tiles,
     )
     return out
 
 
 @torch.library.custom_op("openvc::attention", mutates_args=())
 def _attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, window: int | None, smooth_k: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    window: int | None,
+    smooth_k: bool,
+    repair_ratio: float,
+    repair_ranking: str,
 ) -> torch.Tensor:
     # Checked here, inside the op, where torch.compile does not trace (it would stop at the package lookup).
     reason = kernel_unavailable_reason(q)
     if reason is not None:
         raise ValueError(reason)
     out = torch.empty(q.shape, dtype=OUT_DTYPE, device=q.device)
-    return attention_prepared(prepare(q, k, v, smooth_k=smooth_k), out, softmax_scale=softmax_scale, window=window)
+    prepared = prepare(
+        q, k, v, smooth_k=smooth_k, repair_ratio=repair_ratio, repair_ranking=repair_ranking,
+        softmax_scale=softmax_scale,
+    )
+    return attention_prepared(prepared, out, softmax_scale=softmax_scale, window=window)
 
 
 @_attention_op.register_fake
-def _(q, k, v, softmax_scale, window, smooth_k):
+def _(q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking):
     return q.new_empty(q.shape, dtype=OUT_DTYPE)
 
 
@@ -108,14 +137,21 @@ def attention(
     softmax_scale: float | None = None,
     window: int | None = 4,
     smooth_k: bool = False,
+    repair_ratio: float = 0.0,
+    repair_ranking: str = "attention",
 ) -> torch.Tensor:
     """Open-VC FP8 ExpCast attention on a Hopper GPU: ``(B, S, H, 128)`` fp16/bf16 in, bf16 out.
 
     ``softmax_scale`` defaults to ``1 / sqrt(128)``; ``window`` is the mid-window look-ahead in key tiles
-    (``None``: plain order); ``smooth_k`` subtracts K's per-channel mean before quantizing. Matches
+    (``None``: plain order); ``smooth_k`` subtracts K's per-channel mean before quantizing; ``repair_ratio`` rho
+    of V residual repair (``round(rho * S)`` extra keys per head, 0 = none) ranked by ``repair_ranking``
+    ("attention" or "energy", as in ``reference_attention``). Matches
     ``reference_attention(..., accumulation="wgmma")`` to rel-L2 1e-3 (FP32 order and the rescale's MUFU
     exponential); the exact-sum reference differs by ~4e-3 (the FP8 wgmma's 14-bit sums move a few codes).
     """
-    check_attention_args(q, k, v, repair_ratio=0.0, window=window, dtypes=(torch.float16, torch.bfloat16))
+    check_attention_args(
+        q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking,
+        dtypes=(torch.float16, torch.bfloat16),
+    )
     tau = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _attention_op(q, k, v, float(tau), window, bool(smooth_k))
+    return _attention_op(q, k, v, float(tau), window, bool(smooth_k), float(repair_ratio), repair_ranking)

@@ -134,10 +134,6 @@ def reference_attention(
         else:
             acc += p @ v_tiles[:, :, tile]
             l += p.sum(dim=-1)
-    if like_wgmma:
-        acc += pv[..., :dim]
-        l += pv[..., dim]
-
     count = repair_count(s_k, repair_ratio)
     if count > 0:
         residual = v_residual(v_heads, v8, d_v)
@@ -146,10 +142,30 @@ def reference_attention(
         v_repair = quantize_repair_rows(residual, tokens, d_v).float()
         k_repair = k8.float().gather(2, tokens[..., None].expand(-1, -1, -1, dim))
         d_k_repair = d_k.gather(2, tokens // BLOCK)  # each repair key keeps its own block's scale
-        raw = dot(q_tiles, k_repair[:, :, None].expand(-1, -1, n_q, -1, -1))  # (B, H, n_q, 128, count)
-        coef = s[..., None] * d_k_repair[:, :, None, None, :]
-        codes = anchored_encode(raw, coef, anchor[..., None])
-        acc += expcast_decode(codes) @ v_repair[:, :, None]  # numerator only: l keeps the real keys' sum
+        if like_wgmma:
+            # As the kernel visits them: after the real keys, in tiles of 128 (zero rows pad the last one, zero V
+            # and zero ones add nothing), each tile one more step of the PV chain.
+            n_r = num_blocks(count)
+            pad = (0, 0, 0, n_r * BLOCK - count)
+            k_tiles_r = torch.nn.functional.pad(k_repair, pad).view(batch, heads, n_r, BLOCK, dim)
+            v_cols_r = torch.nn.functional.pad(v_repair, (0, 1) + pad[2:]).view(batch, heads, n_r, BLOCK, dim + 1)
+            d_k_r = torch.nn.functional.pad(d_k_repair, pad[2:]).view(batch, heads, n_r, BLOCK)
+            for j in range(n_r):
+                if (n_k + j) % PV_PROMOTE_EVERY == 0:
+                    acc += pv[..., :dim]
+                    l += pv[..., dim]
+                    pv = None
+                raw = dot(q_tiles, k_tiles_r[:, :, j, None].expand(-1, -1, n_q, -1, -1))
+                codes = anchored_encode(raw, s[..., None] * d_k_r[:, :, j, None, None, :], anchor[..., None])
+                pv = wgmma_e4m3_dot(expcast_decode(codes), v_cols_r[:, :, j, None].transpose(-1, -2), pv)
+        else:
+            raw = dot(q_tiles, k_repair[:, :, None].expand(-1, -1, n_q, -1, -1))  # (B, H, n_q, 128, count)
+            coef = s[..., None] * d_k_repair[:, :, None, None, :]
+            codes = anchored_encode(raw, coef, anchor[..., None])
+            acc += expcast_decode(codes) @ v_repair[:, :, None]  # numerator only: l keeps the real keys' sum
+    if like_wgmma:
+        acc += pv[..., :dim]
+        l += pv[..., dim]
 
     out = acc * (d_v[..., None, None] / l)[..., None]
     out = out.view(batch, heads, n_q * BLOCK, dim)[:, :, :s_q]

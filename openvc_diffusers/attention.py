@@ -40,12 +40,16 @@ def run(
     for reason in decision.reasons:
         warn_once(f"Open-VC fallback to {decision.backend}: {reason}")
     if decision.backend == OPENVC_KERNEL:
-        if config.repair_ratio > 0:
-            warn_once(
-                f"repair_ratio {config.repair_ratio}: the Hopper kernel has no V residual repair yet; "
-                "running without it"
-            )
-        return openvc_kernels.attention(q, k, v, window=config.window, smooth_k=config.smooth_k).to(q.dtype)
+        out = openvc_kernels.attention(
+            q,
+            k,
+            v,
+            window=config.window,
+            smooth_k=config.smooth_k,
+            repair_ratio=config.repair_ratio,
+            repair_ranking=config.repair_ranking,
+        )
+        return out.to(q.dtype)
     if decision.backend == OPENVC_REFERENCE:
         warn_once(REFERENCE_WARNING)
         return run_reference(q, k, v, config)

@@ -32,6 +32,7 @@ def _rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
 def _assert_matches(out: torch.Tensor, q, k, v, **options) -> None:
     """rel-L2 <= REL_L2 against the wgmma-summing reference; the message says how the BF16 outputs differ."""
     ref = reference_attention(q, k, v, accumulation="wgmma", **options)
+    torch.cuda.synchronize()
     rel = _rel_l2(out, ref)
     differ = out != ref
     ulp = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp(min=2.0**-126)
@@ -168,3 +169,44 @@ def test_kernels_loaded_from_the_disk_cache_give_the_same_bytes(tmp_path, monkey
     loaded = attention(q, k, v)
     assert all(type(kernel).__name__ == "Function" for kernel in compile_cache._loaded.values())
     assert torch.equal(loaded, compiled)
+
+
+def _outlier_values(v: torch.Tensor, share: float = 0.005, factor: float = 20.0) -> torch.Tensor:
+    """V with ``share`` of its tokens scaled up: their heads' FP8 scale grows, the other tokens lose bits."""
+    tokens = torch.randperm(v.shape[1], device=v.device)[: max(1, int(share * v.shape[1]))]
+    v = v.clone()
+    v[:, tokens] *= factor
+    return v
+
+
+@pytest.mark.parametrize("ranking", ["attention", "energy"])
+def test_repair_matches_reference(ranking):
+    q, k, v = _inputs(2, 4100, 4100, 3)
+    v = _outlier_values(v)
+    out = attention(q, k, v, repair_ratio=0.01, repair_ranking=ranking)
+    _assert_matches(out, q, k, v, repair_ratio=0.01, repair_ranking=ranking)
+    assert torch.equal(attention(q, k, v, repair_ratio=0.0), attention(q, k, v))  # rho = 0: no repair at all
+
+
+def test_repair_of_exact_values_changes_nothing():
+    """V that FP8 holds exactly has zero residuals: the repair keys add zeros to the numerator and nothing to the
+    denominator, and do not move the max, so the output is bitwise the output without repair."""
+    q, k, _ = _inputs(1, 3000, 3000, 4)
+    v = (torch.randn(1, 3000, 4, 128, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    v[0, 0, :, 0] = 448.0
+    v = (v * 2.0**-5).bfloat16()
+    assert torch.equal(attention(q, k, v, repair_ratio=0.05), attention(q, k, v))
+
+
+def test_repair_lowers_the_error_on_outlier_values():
+    q, k, v = _inputs(1, 8192, 8192, 4)
+    v = _outlier_values(v)
+    rows = torch.randint(0, 8192, (256,), device="cuda")
+
+    def error(out):
+        exact = torch.softmax(q[0, rows].transpose(0, 1).double() @ k[0].permute(1, 2, 0).double() / 128**0.5, -1)
+        ref = (exact @ v[0].transpose(0, 1).double()).transpose(0, 1)
+        return _rel_l2(out[0, rows].double(), ref)
+
+    plain, repaired = error(attention(q, k, v)), error(attention(q, k, v, repair_ratio=0.005))
+    assert repaired < 0.97 * plain, f"rel-L2 vs float64: {repaired:.4f} with repair, {plain:.4f} without"

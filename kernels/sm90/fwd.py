@@ -110,10 +110,12 @@ class ExpCastAttentionSm90:
         d_q: cute.Tensor,
         d_k: cute.Tensor,
         d_v: cute.Tensor,
+        d_k_repair: cute.Tensor,
         out: cute.Tensor,
         codes_per_score: Float32,
         seqlen_k: Int32,
         window: Int32,
+        repair_tiles: Int32,
         stream: cuda.CUstream,
     ):
         """``codes_per_score`` is ``fp32(softmax_scale * 8 log2 e)``; the kernel multiplies in d_q."""
@@ -155,9 +157,9 @@ class ExpCastAttentionSm90:
 
         n_q_tiles = q8.shape[2] // TILE_M
         self.kernel(
-            mQ, mK, mV, d_q, d_k, d_v, out,
+            mQ, mK, mV, d_q, d_k, d_v, d_k_repair, out,
             tma_q, tma_k, tma_v,
-            codes_per_score, seqlen_k, window,
+            codes_per_score, seqlen_k, window, repair_tiles,
             sQ_layout, sK_layout, sV_layout,
             tiled_mma_qk, tiled_mma_pv,
             SharedStorage,
@@ -177,6 +179,7 @@ class ExpCastAttentionSm90:
         d_q: cute.Tensor,
         d_k: cute.Tensor,
         d_v: cute.Tensor,
+        d_k_repair: cute.Tensor,
         out: cute.Tensor,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
@@ -184,6 +187,7 @@ class ExpCastAttentionSm90:
         codes_per_score: Float32,
         seqlen_k: Int32,
         window: Int32,
+        repair_tiles: Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -226,16 +230,16 @@ class ExpCastAttentionSm90:
                 self.load(
                     mQ[None, None, head, batch], mK[None, None, head, batch],
                     mV[None, None, head, batch], sQ, sK, sV, tma_q, tma_k, tma_v,
-                    pipeline_q, pipeline_k, pipeline_v, m_block, n_k, start,
+                    pipeline_q, pipeline_k, pipeline_v, m_block, n_k, start, repair_tiles,
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             tidx = cute.arch.thread_idx()[0] - WG_THREADS
             self.consume(
                 sQ, sK, sV, d_q[batch, head, None], d_k[batch, head, None], d_v[batch, head],
-                out[batch, None, head, None], tiled_mma_qk, tiled_mma_pv,
+                d_k_repair[batch, head, None], out[batch, None, head, None], tiled_mma_qk, tiled_mma_pv,
                 pipeline_q, pipeline_k, pipeline_v, tidx, m_block, n_k, start,
-                codes_per_score, seqlen_k,
+                codes_per_score, seqlen_k, repair_tiles,
             )
 
     @cute.jit
@@ -246,6 +250,14 @@ class ExpCastAttentionSm90:
             j = start - i
             if j < 0:
                 j = j + n_k
+        return j
+
+    @cute.jit
+    def kv_index(self, i: Int32, start: Int32, n_k: Int32) -> Int32:
+        """The K/V tile the i-th step loads: the visiting order over the real tiles, then the repair tiles."""
+        j = i
+        if i < n_k:
+            j = self.tile_at(i, start, n_k)
         return j
 
     @cute.jit
@@ -266,8 +278,10 @@ class ExpCastAttentionSm90:
         m_block: Int32,
         n_k: Int32,
         start: Int32,
+        repair_tiles: Int32,
     ):
-        """Producer warp: Q once, then K(i + 1) ahead of V(i), the order the consumers wait in."""
+        """Producer warp: Q once, then K(i + 1) ahead of V(i), the order the consumers wait in; the repair
+        tiles (after the real ones in k8 and packed V) come last."""
         gQ = cute.local_tile(gQ_all, (TILE_M, HEAD_DIM), (m_block, 0))
         gK = cute.local_tile(gK_all, (TILE_N, HEAD_DIM), (None, 0))
         gV = cute.local_tile(gV_all, (PV_N, TILE_N), (0, None))
@@ -287,13 +301,14 @@ class ExpCastAttentionSm90:
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-        _tma_load(pipeline_k, tma_k, tKgK[None, self.tile_at(0, start, n_k)], tKsK, state)
-        for i in cutlass.range(1, n_k, unroll=1):
+        n_steps = n_k + repair_tiles
+        _tma_load(pipeline_k, tma_k, tKgK[None, self.kv_index(0, start, n_k)], tKsK, state)
+        for i in cutlass.range(1, n_steps, unroll=1):
             prev = state.clone()
             state.advance()
-            _tma_load(pipeline_k, tma_k, tKgK[None, self.tile_at(i, start, n_k)], tKsK, state)
-            _tma_load(pipeline_v, tma_v, tVgV[None, self.tile_at(i - 1, start, n_k)], tVsV, prev)
-        _tma_load(pipeline_v, tma_v, tVgV[None, self.tile_at(n_k - 1, start, n_k)], tVsV, state)
+            _tma_load(pipeline_k, tma_k, tKgK[None, self.kv_index(i, start, n_k)], tKsK, state)
+            _tma_load(pipeline_v, tma_v, tVgV[None, self.kv_index(i - 1, start, n_k)], tVsV, prev)
+        _tma_load(pipeline_v, tma_v, tVgV[None, self.kv_index(n_steps - 1, start, n_k)], tVsV, state)
 
     @cute.jit
     def consume(
@@ -304,6 +319,7 @@ class ExpCastAttentionSm90:
         d_q: cute.Tensor,
         d_k: cute.Tensor,
         d_v: Float32,
+        d_k_repair: cute.Tensor,
         out: cute.Tensor,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
@@ -316,8 +332,9 @@ class ExpCastAttentionSm90:
         start: Int32,
         codes_per_score: Float32,
         seqlen_k: Int32,
+        repair_tiles: Int32,
     ):
-        """One consumer warpgroup: 64 query rows against every key tile, then the epilogue."""
+        """One consumer warpgroup: 64 query rows against every key tile and the repair tiles, then the epilogue."""
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wg_qk = tiled_mma_qk.get_slice(wg * WG_THREADS)
         wg_pv = tiled_mma_pv.get_slice(wg * WG_THREADS)
@@ -360,35 +377,16 @@ class ExpCastAttentionSm90:
         if const_expr(self.pingpong):
             if wg == 0:
                 cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=2 * WG_THREADS)
+        mmas = (tiled_mma_qk, tiled_mma_pv, frag_q, frag_k, frag_v, frag_p, acc_s, acc_pv)
+        sums = (scores, key_coords, m, anchor, alpha, acc_o)
+        keys = (start, n_k, last_tile, last_valid, s, d_k, d_k_repair, wg)
         for i in cutlass.range(1, n_k, unroll=1):
-            tile = self.tile_at(i, start, n_k)
-            d_k_tile = d_k[tile]
-            prev = state.clone()
-            state.advance()
-            pipeline_k.consumer_wait(state)
-            if const_expr(self.pingpong):
-                cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WG_THREADS)
-            _gemm(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, state.index], True)
-            pipeline_v.consumer_wait(prev)
-            fresh = (i - 1) % self.promote_every == 0
-            _gemm(tiled_mma_pv, acc_pv, frag_p, frag_v[None, None, None, prev.index], fresh)
-            if const_expr(self.pingpong):
-                cute.arch.barrier_arrive(
-                    barrier_id=SCHEDULER_BARRIER + 1 - wg, number_of_threads=2 * WG_THREADS
-                )
-            warpgroup.wait_group(1)
-            pipeline_k.consumer_release(state)
-            softmax.online_codes(
-                scores, key_coords, tile == last_tile, last_valid, m, anchor, alpha, s, d_k_tile, False
-            )
-            # frag_p and acc_pv belong to the PV wgmma until it retires.
-            warpgroup.wait_group(0)
-            pipeline_v.consumer_release(prev)
-            softmax.accumulate(acc_o, acc_pv, alpha, i % self.promote_every == 0)
-            softmax.pack_codes(acc_s, frag_p)
+            state = self.step(i, state, False, mmas, sums, (pipeline_k, pipeline_v), keys)
+        for i in cutlass.range(n_k, n_k + repair_tiles, unroll=1):
+            state = self.step(i, state, True, mmas, sums, (pipeline_k, pipeline_v), keys)
 
         pipeline_v.consumer_wait(state)
-        fresh = (n_k - 1) % self.promote_every == 0
+        fresh = (n_k + repair_tiles - 1) % self.promote_every == 0
         _gemm(tiled_mma_pv, acc_pv, frag_p, frag_v[None, None, None, state.index], fresh)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(state)
@@ -396,6 +394,45 @@ class ExpCastAttentionSm90:
         softmax.accumulate(acc_o, acc_pv, alpha, True)
 
         self.store(acc_o, thr_pv, d_v, out, m_block)
+
+    @cute.jit
+    def step(self, i: Int32, state, repair: cutlass.Constexpr[bool], mmas, sums, pipes, keys):
+        """Step i: QK^T(i) and PV(i - 1) in flight together, then key tile i's softmax, then PV(i - 1)'s sum.
+
+        A repair tile neither moves the max nor the anchor (alpha = 1): its keys encode on the final grid, each
+        with its own K descale (the repair keys come from any block).
+        """
+        tiled_mma_qk, tiled_mma_pv, frag_q, frag_k, frag_v, frag_p, acc_s, acc_pv = mmas
+        scores, key_coords, m, anchor, alpha, acc_o = sums
+        pipeline_k, pipeline_v = pipes
+        start, n_k, last_tile, last_valid, s, d_k, d_k_repair, wg = keys
+        prev = state.clone()
+        state.advance()
+        pipeline_k.consumer_wait(state)
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WG_THREADS)
+        _gemm(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, state.index], True)
+        pipeline_v.consumer_wait(prev)
+        fresh = (i - 1) % self.promote_every == 0
+        _gemm(tiled_mma_pv, acc_pv, frag_p, frag_v[None, None, None, prev.index], fresh)
+        if const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + 1 - wg, number_of_threads=2 * WG_THREADS)
+        warpgroup.wait_group(1)
+        pipeline_k.consumer_release(state)
+        if const_expr(repair):
+            alpha.fill(1.0)
+            softmax.encode_per_key(scores, key_coords, anchor, s, d_k_repair, (i - n_k) * TILE_N)
+        else:
+            tile = self.tile_at(i, start, n_k)
+            softmax.online_codes(
+                scores, key_coords, tile == last_tile, last_valid, m, anchor, alpha, s, d_k[tile], False
+            )
+        # frag_p and acc_pv belong to the PV wgmma until it retires.
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(prev)
+        softmax.accumulate(acc_o, acc_pv, alpha, i % self.promote_every == 0)
+        softmax.pack_codes(acc_s, frag_p)
+        return state
 
     @cute.jit
     def store(self, acc_o: cute.Tensor, thr_pv: cute.ThrMma, d_v: Float32, out: cute.Tensor, m_block: Int32):

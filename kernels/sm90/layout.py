@@ -46,10 +46,11 @@ def padded_len(seq_len: int) -> int:
     return -(-seq_len // BLOCK) * BLOCK
 
 
-def pack_v(v8: torch.Tensor) -> torch.Tensor:
+def pack_v(v8: torch.Tensor, *, ones: bool = True) -> torch.Tensor:
     """``(B, H, S, 128)`` float8_e4m3fn per-head-quantized V -> packed ``(B, H, 136, S_pad)`` uint8.
 
-    Byte-exact: value bytes are copied, never converted; padding keys (>= S) are all zero.
+    Byte-exact: value bytes are copied, never converted; padding keys (>= S) are all zero. ``ones=False``
+    leaves the ones rows 0 for every key (repair rows: numerator only).
     """
     if v8.dim() != 4 or v8.shape[-1] != HEAD_DIM:
         raise ValueError(f"pack_v takes (B, H, S, {HEAD_DIM}) V, got shape {tuple(v8.shape)}")
@@ -59,7 +60,8 @@ def pack_v(v8: torch.Tensor) -> torch.Tensor:
     s_pad = padded_len(seq_len)
     rows = torch.zeros(batch, heads, s_pad, PV_N, dtype=torch.uint8, device=v8.device)
     rows[:, :, :seq_len, :HEAD_DIM] = v8.view(torch.uint8)
-    rows[:, :, :seq_len, HEAD_DIM:] = E4M3_ONE
+    if ones:
+        rows[:, :, :seq_len, HEAD_DIM:] = E4M3_ONE
     # chunk_key as a view: keys (half, b1, lane, b0) -> positions (half, lane, b1, b0); no index tensor, so
     # no host-to-device copy (this runs inside CUDA-graph captures).
     rows = rows.view(batch, heads, s_pad // CHUNK, 2, 2, 4, 2, PV_N).transpose(4, 5)
@@ -69,8 +71,10 @@ def pack_v(v8: torch.Tensor) -> torch.Tensor:
 class Prepared(NamedTuple):
     """Kernel inputs: FP8 bytes as uint8, FP32 descales, packed V; ``seqlen_k`` counts the real keys.
 
-    q8 (B, H, Sq_pad, 128), d_q (B, H, n_q), k8 (B, H, Sk_pad, 128), d_k (B, H, n_k),
-    v_packed (B, H, 136, Sk_pad), d_v (B, H); all contiguous.
+    q8 (B, H, Sq_pad, 128), d_q (B, H, n_q), k8 (B, H, Sk_pad + R, 128), d_k (B, H, n_k),
+    v_packed (B, H, 136, Sk_pad + R), d_v (B, H), d_k_repair (B, H, R); all contiguous. R (a multiple of 128,
+    0 without V residual repair) counts the repair keys after the real ones (``repair.add_repair_rows``): K
+    rows of chosen tokens, each with its own block's descale in ``d_k_repair``, and their V residuals.
     """
 
     q8: torch.Tensor
@@ -79,7 +83,12 @@ class Prepared(NamedTuple):
     d_k: torch.Tensor
     v_packed: torch.Tensor
     d_v: torch.Tensor
+    d_k_repair: torch.Tensor
     seqlen_k: int
+
+    @property
+    def repair_tiles(self) -> int:
+        return self.d_k_repair.shape[-1] // BLOCK
 
 
 def prepare_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = False) -> Prepared:
@@ -90,4 +99,5 @@ def prepare_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smoo
     k8, d_k = quantize_per_block(smooth_keys(k_heads) if smooth_k else k_heads)
     v8, d_v = quantize_per_head(v.transpose(1, 2))
     q8, k8 = (x.contiguous().view(torch.uint8) for x in (q8, k8))
-    return Prepared(q8, d_q.contiguous(), k8, d_k.contiguous(), pack_v(v8), d_v.contiguous(), k.shape[1])
+    no_repair = d_k.new_empty(*d_k.shape[:2], 0)
+    return Prepared(q8, d_q.contiguous(), k8, d_k.contiguous(), pack_v(v8), d_v.contiguous(), no_repair, k.shape[1])

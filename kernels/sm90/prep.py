@@ -340,6 +340,7 @@ def empty_prepared(batch: int, seq_q: int, seq_k: int, heads: int, device: torch
         d_k=empty(batch, heads, n_k, dtype=torch.float32),
         v_packed=empty(batch, heads, PV_N, n_k * BLOCK, dtype=torch.uint8),
         d_v=empty(batch, heads, dtype=torch.float32),
+        d_k_repair=empty(batch, heads, 0, dtype=torch.float32),
         seqlen_k=seq_k,
     )
 

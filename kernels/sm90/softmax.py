@@ -146,6 +146,21 @@ def encode(scores: cute.Tensor, anchor: cute.Tensor, coef: Float32):
 
 
 @cute.jit
+def encode_per_key(
+    scores: cute.Tensor, key_coords: cute.Tensor, anchor: cute.Tensor, s: Float32, d_k: cute.Tensor, first: Int32
+):
+    """``encode`` with a coefficient per key (repair keys: ``d_k[first + column]``), on the row's final anchor.
+
+    A repair key's score equals that of the real key it copies, so its code never exceeds the row max's.
+    """
+    magic = Float32(ROUND_MAGIC)
+    for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+        coef = mul_rn(s, d_k[first + key_coords[0, i][1]])
+        for r in cutlass.range_constexpr(2):
+            scores[r, i] = cute.arch.fmax(cute.math.fma(scores[r, i], coef, anchor[r] + magic), magic)
+
+
+@cute.jit
 def pack_codes(codes: cute.Tensor, frag_p: cute.Tensor):
     """Low bytes of the encoded accumulator -> E4M3 A fragment of the PV wgmma (see layout.py).
 
