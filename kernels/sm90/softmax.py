@@ -16,7 +16,7 @@ from cutlass import Float32, Int32, Uint32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ..expcast import EXPCAST_BIAS, ROUND_MAGIC
+from ..expcast import EXPCAST_BIAS, MAX_CODE, ROUND_MAGIC
 
 LOG2_PER_CODE = 0.125
 """One code step is 1/8 octave: moving the anchor by k codes scales probabilities by 2^(k/8)."""
@@ -151,13 +151,16 @@ def encode_per_key(
 ):
     """``encode`` with a coefficient per key (repair keys: ``d_k[first + column]``), on the row's final anchor.
 
-    A repair key's score equals that of the real key it copies, so its code never exceeds the row max's.
+    A repair key's score equals that of the real key it copies, so its code stays at or below the row max's;
+    the zero keys padding the last repair tile score 0, which a row whose scores are all negative encodes above
+    MAX_CODE (127 would be E4M3's NaN, and NaN times their zero values is NaN): codes are clamped to MAX_CODE.
     """
-    magic = Float32(ROUND_MAGIC)
+    magic, top = Float32(ROUND_MAGIC), Float32(ROUND_MAGIC + MAX_CODE)
     for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
         coef = mul_rn(s, d_k[first + key_coords[0, i][1]])
         for r in cutlass.range_constexpr(2):
-            scores[r, i] = cute.arch.fmax(cute.math.fma(scores[r, i], coef, anchor[r] + magic), magic)
+            code = cute.arch.fmax(cute.math.fma(scores[r, i], coef, anchor[r] + magic), magic)
+            scores[r, i] = cute.arch.fmin(code, top)
 
 
 @cute.jit
