@@ -11,8 +11,10 @@ Shared memory (FP8 bytes, 128B-swizzled, K-major rows of 128 bytes):
   sQ  (128 query rows, 128 channels)
   sK  (128 keys, 128 channels, KV_STAGES)
   sV  (136 packed-V rows, 128 key positions, KV_STAGES)   rows 128..135 are the ones rows
-Global inputs (all FP8 as uint8 bytes): q8, k8 (B, H, S_pad, 128); packed V (B, H, 136, Sk_pad);
-descales d_q (B, H, n_q), d_k (B, H, n_k), d_v (B, H); output (B, S, H, 128) bf16.
+Global inputs (all FP8 as uint8 bytes): q8 (B, H, Sq_pad, 128), k8 (B, H, Sk_pad + R, 128); packed V
+(B, H, 136, Sk_pad + R); descales d_q (B, H, n_q), d_k (B, H, n_k), d_v (B, H), d_k_repair (B, H, R) for the
+R = 128 * repair_tiles V-repair keys after the real ones (visited last, on the final anchor, ones rows 0);
+output (B, S, H, 128) bf16.
 """
 
 import cuda.bindings.driver as cuda
