@@ -14,7 +14,7 @@ from .expcast import CODES_PER_NAT
 from .sm90.layout import HEAD_DIM, PV_N, Prepared
 from .compile_cache import load_or_compile
 from .repair import add_repair_rows
-from .support import kernel_unavailable_reason
+from .support import KERNEL_DTYPES, kernel_unavailable_reason
 from .validation import check_attention_args
 
 OUT_DTYPE = torch.bfloat16
@@ -79,6 +79,12 @@ def prepare(
     """Quantize ``(B, S, H, 128)`` q, k, v as ``reference_attention`` does, and pack V for the kernel: the bytes
     of ``prepare_reference`` from the fused kernels, then the V residual repair keys (``repair``), on the current
     stream. ``softmax_scale`` (default ``1 / sqrt(128)``) weighs the "attention" repair ranking."""
+    check_attention_args(
+        q, k, v, repair_ratio=repair_ratio, window=None, repair_ranking=repair_ranking, dtypes=KERNEL_DTYPES
+    )
+    reason = kernel_unavailable_reason(q)
+    if reason is not None:
+        raise ValueError(reason)
     from .sm90 import prep
 
     prepared = prep.prepare(q, k, v, smooth_k=smooth_k)
@@ -112,10 +118,8 @@ def _attention_op(
     repair_ratio: float,
     repair_ranking: str,
 ) -> torch.Tensor:
-    # Checked here, inside the op, where torch.compile does not trace (it would stop at the package lookup).
-    reason = kernel_unavailable_reason(q)
-    if reason is not None:
-        raise ValueError(reason)
+    # prepare() checks the device and the kernel's requirements here, inside the op, where torch.compile does not
+    # trace (it would stop at the package lookup).
     out = torch.empty(q.shape, dtype=OUT_DTYPE, device=q.device)
     prepared = prepare(
         q, k, v, smooth_k=smooth_k, repair_ratio=repair_ratio, repair_ranking=repair_ranking,
@@ -151,7 +155,7 @@ def attention(
     """
     check_attention_args(
         q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking,
-        dtypes=(torch.float16, torch.bfloat16),
+        dtypes=KERNEL_DTYPES,
     )
     tau = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return _attention_op(q, k, v, float(tau), window, bool(smooth_k), float(repair_ratio), repair_ranking)

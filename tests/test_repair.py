@@ -50,3 +50,15 @@ def test_no_repair_keys_at_ratio_zero():
     prepared = prepare_reference(q, q, q)
     assert add_repair_rows(prepared, q, q, q, ratio=0.0, ranking="energy", softmax_scale=0.1) is prepared
     assert prepared.repair_tiles == 0
+
+
+def test_prepare_rejects_bad_arguments_before_any_launch():
+    from openvc_kernels import prepare
+
+    q = torch.randn(1, 300, 2, HEAD_DIM, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"repair_ratio must be a finite number in \[0, 0.5\], got 0.7"):
+        prepare(q, q, q, repair_ratio=0.7)
+    with pytest.raises(ValueError, match="repair_ranking must be one of 'attention', 'energy', got 'mass'"):
+        prepare(q, q, q, repair_ranking="mass")
+    with pytest.raises(ValueError, match="runs on CUDA devices, inputs are on cpu"):
+        prepare(q, q, q)
