@@ -82,7 +82,7 @@ def prepare(
     check_attention_args(
         q, k, v, repair_ratio=repair_ratio, window=None, repair_ranking=repair_ranking, dtypes=KERNEL_DTYPES
     )
-    reason = kernel_unavailable_reason(q)
+    reason = kernel_unavailable_reason(q.device, q.dtype, q.shape[-1])
     if reason is not None:
         raise ValueError(reason)
     from .sm90 import prep

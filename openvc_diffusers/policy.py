@@ -71,7 +71,7 @@ def kernel_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim
     """``openvc_kernels.kernel_unavailable_reason`` for queries of this device, dtype and head dim. torch.compile
     runs it while tracing and keeps the answer (the tensor's guards cover all three) instead of tracing it: its
     package lookup (importlib's find_spec) is a graph break at every call with torch 2.11."""
-    return openvc_kernels.kernel_unavailable_reason(torch.empty(0, head_dim, dtype=dtype, device=device))
+    return openvc_kernels.kernel_unavailable_reason(device, dtype, head_dim)
 
 
 def decide(config: OpenVCConfig, call: Call) -> Decision:
