@@ -99,17 +99,24 @@ def positive_int(text: str) -> int:
     return value
 
 
-def sizes(text: str) -> list[str]:
-    names = text.split(",")
-    unknown = [n for n in names if n not in SIZES]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown size {', '.join(unknown)}; choose from {', '.join(SIZES)}")
-    return names
+def names_from(choices, what: str):
+    """An argparse type: comma-separated names, each one of ``choices`` (``what`` names them in errors)."""
+
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        unknown = [n for n in names if n not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown)}; choose from {', '.join(choices)}")
+        return names
+
+    return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", type=sizes, help="comma-separated, from 480p and 720p (default: both)")
+    parser.add_argument(
+        "--size", type=names_from(SIZES, "size"), help="comma-separated, from 480p and 720p (default: both)"
+    )
     parser.add_argument("--steps", type=positive_int, default=3, help="timed denoising steps (default: %(default)s)")
     parser.add_argument("--cfg", action="store_true", help="classifier-free guidance: two forwards per step")
     parser.add_argument(

@@ -45,7 +45,17 @@ from unittest import mock
 import diffusers
 import torch
 import torch.distributed as dist
-from bench_pipeline import CONFIGS, EXPECTED, SIZES, WAN_14B_BLOCK, elapsed_ms, make_inputs, mark, positive_int
+from bench_pipeline import (
+    CONFIGS,
+    EXPECTED,
+    SIZES,
+    WAN_14B_BLOCK,
+    elapsed_ms,
+    make_inputs,
+    mark,
+    names_from,
+    positive_int,
+)
 from bench_pipeline import log as print_line
 from diffusers import WanTransformer3DModel
 
@@ -72,18 +82,13 @@ def log(message: str) -> None:
         print_line(message)
 
 
-def backend_list(text: str) -> list[str]:
-    names = text.split(",")
-    unknown = [n for n in names if n not in BACKENDS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown backend {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
-    return names
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--backends", type=backend_list, default=list(BACKENDS), help="comma-separated (default: openvc,fa4)"
+        "--backends",
+        type=names_from(BACKENDS, "backend"),
+        default=list(BACKENDS),
+        help="comma-separated (default: openvc,fa4)",
     )
     parser.add_argument(
         "--heads", type=positive_int, help="attention heads of 128 (default: 40, Wan 14B's); the width is heads x 128"
