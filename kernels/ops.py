@@ -13,7 +13,6 @@ import torch
 from .expcast import CODES_PER_NAT
 from .sm90.layout import HEAD_DIM, PV_N, Prepared
 from .compile_cache import load_or_compile
-from .repair import add_repair_rows
 from .support import KERNEL_DTYPES, kernel_unavailable_reason
 from .validation import check_attention_args
 
@@ -77,8 +76,8 @@ def prepare(
     softmax_scale: float | None = None,
 ) -> Prepared:
     """Quantize ``(B, S, H, 128)`` q, k, v as ``reference_attention`` does, and pack V for the kernel: the bytes
-    of ``prepare_reference`` from the fused kernels, then the V residual repair keys (``repair``), on the current
-    stream. ``softmax_scale`` (default ``1 / sqrt(128)``) weighs the "attention" repair ranking."""
+    of ``prepare_reference`` from the fused kernels, V residual repair keys included (``sm90.prep.prepare``), on
+    the current stream. ``softmax_scale`` (default ``1 / sqrt(128)``) weighs the "attention" repair ranking."""
     check_attention_args(
         q, k, v, repair_ratio=repair_ratio, window=None, repair_ranking=repair_ranking, dtypes=KERNEL_DTYPES
     )
@@ -87,9 +86,10 @@ def prepare(
         raise ValueError(reason)
     from .sm90 import prep
 
-    prepared = prep.prepare(q, k, v, smooth_k=smooth_k)
-    tau = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return add_repair_rows(prepared, q, k, v, ratio=repair_ratio, ranking=repair_ranking, softmax_scale=tau)
+    return prep.prepare(
+        q, k, v, smooth_k=smooth_k, repair_ratio=repair_ratio, repair_ranking=repair_ranking,
+        softmax_scale=softmax_scale,
+    )
 
 
 def attention_prepared(

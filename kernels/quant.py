@@ -48,19 +48,31 @@ def quantize_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _e4m3(x * scale[..., None, None]), descale
 
 
+def channel_mean(k: torch.Tensor) -> torch.Tensor:
+    """Each head's per-channel mean of ``(B, H, S, D)`` K over the sequence, summed in FP32: ``(B, H, 1, D)``.
+
+    One reduction that reads K once (no FP32 copy); the fused preparation subtracts this very tensor.
+    """
+    return k.mean(dim=2, keepdim=True, dtype=torch.float32)
+
+
 def smooth_keys(k: torch.Tensor) -> torch.Tensor:
-    """K minus its per-channel mean over the sequence, per head, in FP32: ``(B, H, S, D)``.
+    """K minus its ``channel_mean``, in FP32: ``(B, H, S, D)``.
 
     Every score of a query row moves by the same ``q . mean``, so softmax is unchanged in exact math, while
     the per-block K scales stop being set by channel offsets that video DiTs carry.
     """
-    k = k.float()
-    return k - k.mean(dim=2, keepdim=True)
+    return k.float() - channel_mean(k)
 
 
 def v_residual(v: torch.Tensor, v8: torch.Tensor, d_v: torch.Tensor) -> torch.Tensor:
     """What per-head quantization lost: ``r = V - d_V * V8`` in FP32, ``(B, H, S, D)``."""
     return v.float() - d_v[..., None, None] * v8.float()
+
+
+def residual_energy(residual: torch.Tensor) -> torch.Tensor:
+    """``sum_c r^2`` per token: ``(B, H, S)``. The fused preparation sums the same squares in another order."""
+    return residual.square().sum(dim=-1)
 
 
 def repair_count(seq_len: int, ratio: float) -> int:
@@ -73,33 +85,58 @@ MASS_SAMPLE_ROWS = 64
 """Query rows, evenly spaced, whose attention estimates how much each key matters for repair ranking."""
 
 
+def _sampled_scores(q_rows: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """``softmax_scale * q_rows . k^T`` in FP32 for ``(B, H, R, D)`` q_rows and ``(B, H, S, D)`` k: ``(B, H, R, S)``.
+
+    Products of 16-bit floats are exact in FP32, so on CUDA the 16-bit GEMM with FP32 output computes the same
+    sums as the FP32 one (up to order) straight from K's strided view: no FP32 copy of K.
+    """
+    if not (k.is_cuda and k.dtype in (torch.float16, torch.bfloat16)):
+        return (q_rows.float() @ k.float().transpose(-1, -2)) * softmax_scale
+    # One GEMM per batch: K's (H, S, D) view of diffusers' (S, H, D) layout has plain strides, (B, H) merged not.
+    scores = [torch.bmm(rows, keys.transpose(-1, -2), out_dtype=torch.float32) for rows, keys in zip(q_rows, k)]
+    return torch.stack(scores).mul_(softmax_scale)
+
+
 def attention_mass(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """Mean squared softmax probability each key gets from ``MASS_SAMPLE_ROWS`` evenly spaced query rows
-    (exact FP32 softmax on ``(B, H, S, D)`` q, k): ``(B, H, S_k)``.
+    (FP32 softmax on ``(B, H, S, D)`` q, k): ``(B, H, S_k)``.
 
     A residual ``r_j`` adds ``p_ij r_j`` to row i's error, so its squared error over rows goes as
     ``sum_i p_ij^2 |r_j|^2``.
     """
-    rows = torch.linspace(0, q.shape[2] - 1, min(MASS_SAMPLE_ROWS, q.shape[2]), device=q.device).round().long()
-    scores = (q[:, :, rows].float() @ k.float().transpose(-1, -2)) * softmax_scale
-    return torch.softmax(scores, dim=-1).square().mean(dim=2)
+    count = min(MASS_SAMPLE_ROWS, q.shape[2])
+    rows = torch.linspace(0, q.shape[2] - 1, count, device=q.device).round().long()
+    probs = torch.softmax(_sampled_scores(q[:, :, rows], k, softmax_scale), dim=-1)
+    # The norm reads the probabilities once; squaring them first would write and read them again.
+    return torch.linalg.vector_norm(probs, dim=2).square() / count
 
 
-def select_repair_tokens(residual: torch.Tensor, count: int, key_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Per head, the ``count`` tokens of largest residual energy ``sum_c r^2`` (times ``key_weight``, e.g. the
-    ``attention_mass``, where given): ``(B, H, count)`` int64.
+def select_repair_tokens(energy: torch.Tensor, count: int, key_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Per head, the ``count`` tokens of largest ``residual_energy`` (times ``key_weight``, e.g. the
+    ``attention_mass``, where given), largest first: ``(B, H, count)`` int64.
 
-    Ties go to the lower token index (stable sort), so every implementation picks the same tokens.
+    ``torch.topk`` breaks exact ties (deterministic on one device).
     """
-    energy = residual.square().sum(dim=-1)
-    if key_weight is not None:
-        energy = energy * key_weight
-    order = torch.sort(energy, dim=-1, descending=True, stable=True).indices
-    return order[..., :count]
+    score = energy * key_weight if key_weight is not None else energy
+    return torch.topk(score, count, dim=-1, sorted=True).indices
 
 
-def quantize_repair_rows(residual: torch.Tensor, tokens: torch.Tensor, d_v: torch.Tensor) -> torch.Tensor:
-    """Repair value rows ``e4m3(r_j / d_V)`` of the chosen tokens, in V's per-head scale: ``(B, H, count, D)``."""
-    d = residual.shape[-1]
-    rows = residual.gather(2, tokens[..., None].expand(-1, -1, -1, d))
-    return _e4m3(rows / d_v[..., None, None])
+def choose_repair_tokens(
+    energy: torch.Tensor, count: int, q: torch.Tensor, k: torch.Tensor, *, ranking: str, softmax_scale: float
+) -> torch.Tensor:
+    """The repair tokens per head, from their ``residual_energy`` (B, H, S) and ``(B, S, H, D)`` q, k (for the
+    "attention" ranking's ``attention_mass``): ``(B, H, count)`` int64, best first."""
+    mass = attention_mass(q.transpose(1, 2), k.transpose(1, 2), softmax_scale) if ranking == "attention" else None
+    return select_repair_tokens(energy, count, mass)
+
+
+def gather_tokens(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Rows ``tokens`` (B, H, count) of head-major ``x`` (B, H, S, D): ``(B, H, count, D)``."""
+    return x.gather(2, tokens[..., None].expand(-1, -1, -1, x.shape[-1]))
+
+
+def quantize_repair_rows(residual_rows: torch.Tensor, d_v: torch.Tensor) -> torch.Tensor:
+    """Repair value rows ``e4m3(r_j / d_V)`` from the chosen tokens' residuals, in V's per-head scale:
+    ``(B, H, count, D)``."""
+    return _e4m3(residual_rows / d_v[..., None, None])

@@ -17,13 +17,14 @@ import torch
 from .expcast import CODES_PER_NAT, anchored_encode, code_anchor, expcast_decode
 from .quant import (
     BLOCK,
-    attention_mass,
+    choose_repair_tokens,
+    gather_tokens,
     num_blocks,
     quantize_per_block,
     quantize_per_head,
     quantize_repair_rows,
     repair_count,
-    select_repair_tokens,
+    residual_energy,
     smooth_keys,
     v_residual,
 )
@@ -137,10 +138,9 @@ def reference_attention(
     count = repair_count(s_k, repair_ratio)
     if count > 0:
         residual = v_residual(v_heads, v8, d_v)
-        mass = attention_mass(q.transpose(1, 2), k_heads, tau) if repair_ranking == "attention" else None
-        tokens = select_repair_tokens(residual, count, mass)
-        v_repair = quantize_repair_rows(residual, tokens, d_v).float()
-        k_repair = k8.float().gather(2, tokens[..., None].expand(-1, -1, -1, dim))
+        tokens = choose_repair_tokens(residual_energy(residual), count, q, k, ranking=repair_ranking, softmax_scale=tau)
+        v_repair = quantize_repair_rows(gather_tokens(residual, tokens), d_v).float()
+        k_repair = gather_tokens(k8.float(), tokens)
         d_k_repair = d_k.gather(2, tokens // BLOCK)  # each repair key keeps its own block's scale
         if like_wgmma:
             # As the kernel visits them: after the real keys, in tiles of 128 (zero rows pad the last one, zero V

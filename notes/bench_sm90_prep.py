@@ -1,27 +1,34 @@
 """Time the sm90 preparation at Wan 14B 720p (S = 75,600, H = 40, bf16) against a device copy; prints JSON.
 
-Run on a Hopper GPU: ``python notes/bench_sm90_prep.py``. Bytes count reads plus writes.
-
-``python notes/bench_sm90_prep.py --smoke KIND`` (KIND: quantize_per_block, absmax_per_head, pack_v) compiles
-and launches that one kernel alone, synchronizes and compares with the PyTorch reference at a few small
-shapes, printing a line after every step; run each KIND in its own process under ``timeout 60``
-(notes/prep.md, "Hang analysis").
+Run on a Hopper GPU: ``python notes/bench_sm90_prep.py``. Bytes count reads plus writes. Besides the four
+launches: K smoothing (channel mean + centered K launch) and each step of V residual repair at rho = 0.005
+(PackV with energies, the attention-mass estimate, top-k, writing the repair keys).
 """
 
 import faulthandler
 import json
-import os
-import sys
-import time
 
 import torch
 
-from openvc_kernels.quant import BLOCK, num_blocks, quantize_per_block, quantize_per_head
+from openvc_kernels.quant import (
+    BLOCK,
+    MASS_SAMPLE_ROWS,
+    attention_mass,
+    channel_mean,
+    choose_repair_tokens,
+    num_blocks,
+    quantize_per_block,
+    quantize_per_head,
+    repair_count,
+    select_repair_tokens,
+)
 from openvc_kernels.sm90 import prep
-from openvc_kernels.sm90.layout import PV_N, pack_v, prepare_reference
+from openvc_kernels.sm90.layout import PV_N, pack_v, write_repair_rows
 
 BATCH, SEQ_LEN, HEADS, HEAD_DIM = 1, 75_600, 40, 128
 ITERS = 20
+REPAIR_RATIO = 0.005
+TAU = HEAD_DIM**-0.5
 WATCHDOG_S = 120
 """A hung launch prints every thread's Python stack and exits instead of holding the GPU."""
 
@@ -53,18 +60,42 @@ def main() -> None:
     packed_bytes = BATCH * HEADS * PV_N * s_pad
 
     copy_dst = torch.empty_like(q)
+    energy = torch.empty(BATCH, HEADS, SEQ_LEN, device="cuda")
+    mean_k = channel_mean(k.transpose(1, 2)).squeeze(2)
+    count = repair_count(SEQ_LEN, REPAIR_RATIO)
+    tokens = choose_repair_tokens(energy.normal_(), count, q, k, ranking="energy", softmax_scale=TAU)
+    repaired = prep.prepare(q, k, v, repair_ratio=REPAIR_RATIO)
     kernels = {
         "copy (torch, one input)": (lambda: copy_dst.copy_(q), 2 * x_bytes),
         "quantize_per_block (Q)": (
-            lambda: prep.load_prep("quantize_per_block", q.dtype)(q, out.q8, out.d_q),
+            lambda: prep.load_prep("quantize_per_block", q.dtype)(q, out.q8, out.d_q, None),
             x_bytes + x8_bytes,
         ),
         "absmax_per_head (V)": (lambda: prep.load_prep("absmax_per_head", v.dtype)(v, amax), x_bytes),
         "pack_v (V)": (
-            lambda: prep.load_prep("pack_v", v.dtype)(v, unit_amax, out.v_packed, out.d_v),
+            lambda: prep.load_prep("pack_v", v.dtype)(v, unit_amax, out.v_packed, out.d_v, None),
             x_bytes + packed_bytes,
         ),
         "prepare (all four)": (lambda: prep.prepare_into(q, k, v, out), 4 * x_bytes + 2 * x8_bytes + packed_bytes),
+        "smooth_k: channel mean (torch)": (lambda: channel_mean(k.transpose(1, 2)), x_bytes),
+        "smooth_k: quantize_centered_per_block (K)": (
+            lambda: prep.load_prep("quantize_centered_per_block", k.dtype)(k, out.k8, out.d_k, mean_k),
+            x_bytes + x8_bytes,
+        ),
+        "repair: pack_v_energy (V)": (
+            lambda: prep.load_prep("pack_v_energy", v.dtype)(v, unit_amax, out.v_packed, out.d_v, energy),
+            x_bytes + packed_bytes + energy.numel() * 4,
+        ),
+        "repair: attention_mass (torch)": (
+            lambda: attention_mass(q.transpose(1, 2), k.transpose(1, 2), TAU),
+            x_bytes + 4 * 4 * BATCH * HEADS * MASS_SAMPLE_ROWS * SEQ_LEN,
+        ),
+        "repair: top-k (torch)": (lambda: select_repair_tokens(energy, count), energy.numel() * 4),
+        "repair: write_repair_rows": (lambda: write_repair_rows(repaired, v, tokens), 0),
+        "prepare, rho=0.005 energy ranking": (lambda: prep.prepare(q, k, v, repair_ratio=REPAIR_RATIO,
+                                                                   repair_ranking="energy"), 0),
+        "prepare, rho=0.005 attention ranking": (lambda: prep.prepare(q, k, v, repair_ratio=REPAIR_RATIO), 0),
+        "prepare, smooth_k": (lambda: prep.prepare(q, k, v, smooth_k=True), 0),
     }
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -79,54 +110,10 @@ def main() -> None:
 
     for name, (fn, nbytes) in kernels.items():
         ms = _ms(fn)
-        print(json.dumps({name: {"ms": round(ms, 4), "GB/s": round(nbytes / ms / 1e6, 1)}}), flush=True)
+        rate = {"GB/s": round(nbytes / ms / 1e6, 1)} if nbytes else {}
+        print(json.dumps({name: {"ms": round(ms, 4), **rate}}), flush=True)
     print(json.dumps({"torch reference prepare": {"ms": round(_ms(torch_reference), 3)}}), flush=True)
 
 
-SMOKE_SHAPES = ((1, 1, 1), (1, 129, 3), (2, 4100, 12))
-"""(B, S, H): the first GPU test's shape (the one that hung), a partial second block, several blocks."""
-
-
-def smoke(kind: str) -> None:
-    """One kernel alone: compile, launch, synchronize, compare bytes; a print after each step."""
-    faulthandler.dump_traceback_later(float(os.environ.get("SMOKE_WATCHDOG_S", 45)), exit=True)
-    say = lambda **kw: print(json.dumps({"kind": kind, **kw}), flush=True)
-    t = time.perf_counter()
-    fn = prep.load_prep(kind, torch.bfloat16)
-    say(step="compiled", s=round(time.perf_counter() - t, 2))
-    for batch, seq_len, heads in SMOKE_SHAPES:
-        shape = dict(B=batch, S=seq_len, H=heads)
-        x = torch.randn(batch, seq_len, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        ref = prepare_reference(x, x, x)
-        out = prep.empty_prepared(batch, seq_len, seq_len, heads, "cuda")
-        for buf in out[:-1]:
-            buf.view(torch.uint8).fill_(0x7F)
-        xk = prep._kernel_ready(x)
-        torch.cuda.synchronize()
-        say(step="launch", **shape)
-        if kind == "quantize_per_block":
-            fn(xk, out.q8, out.d_q)
-        elif kind == "absmax_per_head":
-            amax = torch.zeros(batch, heads, device="cuda")
-            fn(xk, amax)
-        else:
-            amax = x.float().abs().amax(dim=(1, 3))  # what absmax_per_head computes, exactly
-            fn(xk, amax, out.v_packed, out.d_v)
-        say(step="launched (async)", **shape)
-        torch.cuda.synchronize()
-        say(step="synchronized", **shape)
-        if kind == "quantize_per_block":
-            same = torch.equal(out.q8, ref.q8) and torch.equal(out.d_q.view(torch.int32), ref.d_q.view(torch.int32))
-        elif kind == "absmax_per_head":
-            same = torch.equal(amax, x.float().abs().amax(dim=(1, 3)))
-        else:
-            same = torch.equal(out.v_packed, ref.v_packed)
-            same = same and torch.equal(out.d_v.view(torch.int32), ref.d_v.view(torch.int32))
-        say(step="compared", identical=bool(same), **shape)
-
-
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--smoke":
-        smoke(sys.argv[2])
-    else:
-        main()
+    main()

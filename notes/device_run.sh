@@ -1,7 +1,6 @@
 #!/bin/bash
 # Device side of a GPU check, run from the repo root. STAGES picks what runs (default: all of them, in order):
-#   smoke  each sm90 preparation kernel alone, in its own process, hard-killed after 60 s
-#   prep   tests/test_sm90_prep.py with its GPU tests enabled (only when every smoke run passed)
+#   prep   tests/test_sm90_prep.py, then notes/bench_sm90_prep.py (each launch, smoothing and repair steps)
 #   tests  ${TESTS} (default tests/test_sm90_gpu.py)
 #   bench  examples/bench_attention.py ${BENCH_ARGS}
 #   ncu    Nsight Compute on one forward-kernel launch at 32,760 x 12 (notes/kernel_once.py)
@@ -25,19 +24,12 @@ export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/pkg
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv
 # conftest imports diffusers, which the device image lacks; the sm90 tests need none of it.
 PYTEST="python3 -m pytest -q ${PYTEST_CONFTEST-"--noconftest"} -p no:cacheprovider --timeout=120 -rfEs"
-smoke_ok=1
-for stage in ${STAGES:-smoke prep tests bench}; do
+for stage in ${STAGES:-prep tests bench}; do
   echo "== stage $stage ($(date +%T))"
   case $stage in
-    smoke)
-      for k in quantize_per_block absmax_per_head pack_v; do
-        timeout -k 5 60 python3 notes/bench_sm90_prep.py --smoke $k 2>&1 | tail -n 12 | tee -a $OUT/smoke.log
-        rc=${PIPESTATUS[0]}; echo "smoke $k rc=$rc" | tee -a $OUT/smoke.log; [ $rc = 0 ] || smoke_ok=0
-      done ;;
     prep)
-      [ $smoke_ok = 1 ] || { echo "skipped: a smoke run failed"; continue; }
-      OPENVC_TRY_PREP=1 timeout -k 5 240 $PYTEST tests/test_sm90_prep.py 2>&1 | tee $OUT/prep.log | tail -n 15
-      timeout -k 5 90 python3 notes/bench_sm90_prep.py 2>&1 | tee $OUT/prep_bench.log | tail -n 12 ;;
+      timeout -k 5 240 $PYTEST tests/test_sm90_prep.py 2>&1 | tee $OUT/prep.log | tail -n 15
+      timeout -k 5 90 python3 notes/bench_sm90_prep.py 2>&1 | tee $OUT/prep_bench.log | tail -n 24 ;;
     tests)
       timeout -k 5 ${TESTS_TIMEOUT:-300} $PYTEST ${TESTS:-tests/test_sm90_gpu.py} 2>&1 | tee $OUT/pytest.log | tail -n 25 ;;
     ncu)

@@ -10,14 +10,14 @@ import sys
 import pytest
 import torch
 
-from openvc_kernels.quant import BLOCK
+from openvc_kernels.quant import BLOCK, quantize_per_head, residual_energy, v_residual
 from openvc_kernels.sm90.layout import CHUNK, KEY_PERMUTATION, prepare_reference
 
 cutlass = pytest.importorskip("cutlass")
 
 from openvc_kernels.sm90 import prep  # noqa: E402  (needs cutlass)
 
-KINDS = ("quantize_per_block", "absmax_per_head", "pack_v")
+KINDS = prep.PREP_KINDS
 DTYPES = (torch.bfloat16, torch.float16)
 POISON = 0x7F
 """E4M3 NaN: any output byte a kernel forgets to write shows up."""
@@ -105,8 +105,8 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
     # Straight-line kernels: no loops, so a launch always terminates once every thread reaches bar.sync 0.
     assert compiled["backward_branches"] == [], compiled["backward_branches"]
     count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))
-    # The block is read once, with 16-byte loads: 8 per thread.
-    assert ops.get("ld.global.v4.b32") == 8
+    # The block is read once, with 16-byte loads: 8 per thread (and 4 for the 16 channel means K smoothing subtracts).
+    assert ops.get("ld.global.v4.b32") == 8 + 4 * (kind == "quantize_centered_per_block")
     assert count("ld.local") == 0 and count("st.local") == 0, "registers spilled"
     if kind == "absmax_per_head":
         assert count("atom.global.max") == 1
@@ -116,13 +116,18 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
     assert count("rcp.approx") == 0 and count("div.approx") == 0 and count("div.full") == 0
     # 64 values per thread, two per RNE-saturating conversion.
     assert ops.get("cvt.rn.satfinite.e4m3x2.f32") == 32
-    if kind == "quantize_per_block":
+    if kind.startswith("quantize"):
         assert ops.get("st.global.v4.b32") == 4
-    else:
-        # 16-byte stores into shared memory, byte reads through the key permutation, 16-byte packed rows
-        # (4 value vectors + 1 ones-row vector per thread).
-        assert ops.get("st.shared.v4.b32") == 4 and ops.get("ld.shared.b8") == 64
-        assert ops.get("st.global.v4.b32") == 5
+        return
+    # 16-byte stores into shared memory, byte reads through the key permutation, 16-byte packed rows
+    # (4 value vectors + 1 ones-row vector per thread).
+    assert ops.get("st.shared.v4.b32") == 4 and ops.get("ld.shared.b8") == 64
+    assert ops.get("st.global.v4.b32") == 5
+    if kind == "pack_v_energy":
+        # The residual from the FP8 bytes just written, then one energy per token: a 3-step butterfly over its
+        # 8 lanes for each of the 4 tokens, and one 4-byte store per token (plus d_v's).
+        assert ops.get("cvt.rn.f16x2.e4m3x2") == 32
+        assert ops.get("shfl.sync.bfly.b32") == 12 and ops.get("st.global.b32") == 4 + 1
 
 
 # ---- GPU: byte-identical to the PyTorch reference ----
@@ -138,8 +143,11 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) 
 _reference = prepare_reference
 
 
-def _poisoned(batch: int, seq_q: int, seq_k: int, heads: int, device) -> prep.Prepared:
-    out = prep.empty_prepared(batch, seq_q, seq_k, heads, device)
+_empty_prepared = prep.empty_prepared
+
+
+def _poisoned(batch: int, seq_q: int, seq_k: int, heads: int, device, *, repair_keys: int = 0) -> prep.Prepared:
+    out = _empty_prepared(batch, seq_q, seq_k, heads, device, repair_keys=repair_keys)
     for t in out[:-1]:
         t.view(torch.uint8).fill_(POISON)
     return out
@@ -234,3 +242,59 @@ def test_prepare_in_cuda_graph(seed):
         _assert_identical(static_out, prep.prepare(q, k, v), f"replay, {flavour}, seed {seed}")
         _assert_identical(static_out, _reference(q, k, v), f"replay vs reference, {flavour}, seed {seed}")
 
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("batch,seq_len,heads", [(1, 129, 3), (2, 4100, 12)])
+def test_residual_energy_matches_reference(seed, batch, seq_len, heads):
+    """PackV's per-token residual energies: every real token written, equal to PyTorch's up to summation order."""
+    q, k, v = (_inputs("heavy", (batch, seq_len, heads, 128), torch.bfloat16, "cuda") for _ in range(3))
+    energy = torch.full((batch, heads, seq_len), float("nan"), device="cuda")
+    prep.prepare_into(q, k, v, _poisoned(batch, seq_len, seq_len, heads, "cuda"), residual_energy=energy)
+    v_heads = v.transpose(1, 2)
+    v8, d_v = quantize_per_head(v_heads)
+    expected = residual_energy(v_residual(v_heads, v8, d_v))
+    torch.testing.assert_close(energy, expected, rtol=1e-5, atol=0, msg=lambda m: f"{m} (seed {seed})")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("ranking", ["attention", "energy"])
+@pytest.mark.parametrize("smooth_k", [False, True])
+def test_prepare_with_repair_keys(seed, monkeypatch, ranking, smooth_k):
+    """Real keys byte-identical to the reference; repair keys too, wherever both rank the same token (their
+    energies are summed in different orders, so a near tie at the cut may pick another one)."""
+    batch, seq_len, heads = 2, 4100, 12
+    q, k, v = (torch.randn(batch, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    v[:, torch.randperm(seq_len, device="cuda")[:20]] *= 20.0
+    monkeypatch.setattr(prep, "empty_prepared", _poisoned)
+    options = dict(smooth_k=smooth_k, repair_ratio=0.01, repair_ranking=ranking, softmax_scale=0.09)
+    out, ref = prep.prepare(q, k, v, **options), _reference(q, k, v, **options)
+
+    s_pad = 33 * BLOCK
+    real = out._replace(k8=out.k8[:, :, :s_pad], v_packed=out.v_packed[..., :s_pad], d_k_repair=ref.d_k_repair)
+    ref_real = ref._replace(k8=ref.k8[:, :, :s_pad], v_packed=ref.v_packed[..., :s_pad])
+    _assert_identical(real, ref_real, f"real keys, seed {seed}")
+    assert out.repair_tiles == ref.repair_tiles == 1
+    same_key = (out.k8[:, :, s_pad:] == ref.k8[:, :, s_pad:]).all(-1)
+    same_value = (out.v_packed[..., s_pad:] == ref.v_packed[..., s_pad:]).all(2)
+    same = same_key & same_value & (out.d_k_repair == ref.d_k_repair)
+    assert same.float().mean() >= 0.99, f"{int((~same).sum())} of {same.numel()} repair keys differ (seed {seed})"
+    assert (out.v_packed[:, :, 128:, s_pad:] == 0).all(), "repair keys must stay out of the denominator"
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_prepare_with_repair_in_cuda_graph(seed):
+    batch, seq_len, heads = 1, 4100, 4
+    q, k, v = (torch.randn(batch, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    options = dict(smooth_k=True, repair_ratio=0.005, repair_ranking="attention", softmax_scale=0.09)
+    prep.prepare(q, k, v, **options)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = prep.prepare(q, k, v, **options)
+    for x in (q, k, v):
+        x.copy_(_inputs("heavy", x.shape, x.dtype, "cuda"))
+    graph.replay()
+    _assert_identical(static_out, prep.prepare(q, k, v, **options), f"replay with repair, seed {seed}")

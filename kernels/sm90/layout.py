@@ -6,7 +6,7 @@ FP8 ``wgmma`` reads B K-major only, so O = P V needs V with the keys contiguous:
 Rows ``HEAD_DIM .. HEAD_DIM + 7`` hold 1.0 for every real key and 0 for padding, so the PV product
 (N = 136) puts ``l = sum of the FP8 probabilities`` in accumulator columns 128..135: every lane of a
 quad owns one of them, the sum is the exact bytes that fed PV, and rescaling O rescales it too.
-Repair rows (later) carry 0 there, which keeps them out of the denominator.
+Repair keys (V residual repair, after the real keys) carry 0 there, which keeps them out of the denominator.
 
 Key permutation. Per 32-key chunk, the S accumulator (m64nNk32, f32) gives lane ``t = lane % 4`` the
 columns ``2t + e + 8c`` (e = 0, 1; c = 0..3) of its two rows; the E4M3 A operand of the PV wgmma wants
@@ -17,11 +17,23 @@ packs, for each h, the codes of columns ``2t + {0, 1} + 8 * {2h, 2h + 1}`` into 
 against the tiled MMA's printed layouts.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
 
-from ..quant import BLOCK, quantize_per_block, quantize_per_head, smooth_keys
+from ..quant import (
+    BLOCK,
+    choose_repair_tokens,
+    gather_tokens,
+    quantize_per_block,
+    quantize_per_head,
+    quantize_repair_rows,
+    repair_count,
+    residual_energy,
+    smooth_keys,
+    v_residual,
+)
 
 HEAD_DIM = 128
 ONES_ROWS = 8
@@ -40,6 +52,16 @@ def chunk_key(position: int) -> int:
 
 
 KEY_PERMUTATION = tuple(chunk_key(p) for p in range(CHUNK))
+
+
+def packed_position(keys: torch.Tensor) -> torch.Tensor:
+    """The packed-V column of each key index (int tensor): the inverse of ``chunk_key`` within each chunk.
+
+    Key ``b0 + 2 lane + 8 b1 + 16 half`` sits at position ``b0 + 2 b1 + 4 lane + 16 half``; integer ops only, so
+    no index table is copied to the device (this runs inside CUDA-graph captures).
+    """
+    b0, lane, b1, half = keys & 1, (keys >> 1) & 3, (keys >> 3) & 1, (keys >> 4) & 1
+    return (keys & ~(CHUNK - 1)) + b0 + 2 * b1 + 4 * lane + 16 * half
 
 
 def padded_len(seq_len: int) -> int:
@@ -73,7 +95,7 @@ class Prepared(NamedTuple):
 
     q8 (B, H, Sq_pad, 128), d_q (B, H, n_q), k8 (B, H, Sk_pad + R, 128), d_k (B, H, n_k),
     v_packed (B, H, 136, Sk_pad + R), d_v (B, H), d_k_repair (B, H, R); all contiguous. R (a multiple of 128,
-    0 without V residual repair) counts the repair keys after the real ones (``repair.add_repair_rows``): K
+    0 without V residual repair) counts the repair keys after the real ones (``write_repair_rows``): K
     rows of chosen tokens, each with its own block's descale in ``d_k_repair``, and their V residuals.
     """
 
@@ -91,13 +113,56 @@ class Prepared(NamedTuple):
         return self.d_k_repair.shape[-1] // BLOCK
 
 
-def prepare_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = False) -> Prepared:
+def write_repair_rows(prepared: Prepared, v: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Fill the R repair keys of ``prepared`` (real keys written, room for R after them) for ``tokens``
+    (B, H, count <= R), from ``(B, S, H, 128)`` v: each token's K row and its block's descale, the FP8 bytes of
+    ``r / d_V`` with ``r = V - d_V V8`` (V8 read back from packed V), 0 in the ones rows, zero keys after them.
+    """
+    s_pad, count = padded_len(prepared.seqlen_k), tokens.shape[-1]
+    k_rows = prepared.k8[:, :, s_pad:]
+    k_rows[:, :, :count] = gather_tokens(prepared.k8, tokens)
+    k_rows[:, :, count:] = 0
+    prepared.d_k_repair[..., :count] = prepared.d_k.gather(2, tokens // BLOCK)
+    prepared.d_k_repair[..., count:] = 0
+    columns = packed_position(tokens)[:, :, None, :].expand(-1, -1, HEAD_DIM, -1)
+    v8 = prepared.v_packed[:, :, :HEAD_DIM].gather(3, columns).transpose(2, 3).view(torch.float8_e4m3fn)
+    residual = v_residual(gather_tokens(v.transpose(1, 2), tokens), v8, prepared.d_v)
+    prepared.v_packed[..., s_pad:] = pack_v(quantize_repair_rows(residual, prepared.d_v), ones=False)
+
+
+def prepare_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    smooth_k: bool = False,
+    repair_ratio: float = 0.0,
+    repair_ranking: str = "attention",
+    softmax_scale: float | None = None,
+) -> Prepared:
     """The preparation in PyTorch, from ``(B, S, H, 128)`` q, k, v: the bytes the fused kernels must write.
-    ``smooth_k`` as in ``reference_attention``."""
+    Options as in ``reference_attention``; the repair keys come from the residual energies summed by PyTorch."""
     q8, d_q = quantize_per_block(q.transpose(1, 2))
     k_heads = k.transpose(1, 2)
     k8, d_k = quantize_per_block(smooth_keys(k_heads) if smooth_k else k_heads)
-    v8, d_v = quantize_per_head(v.transpose(1, 2))
-    q8, k8 = (x.contiguous().view(torch.uint8) for x in (q8, k8))
-    no_repair = d_k.new_empty(*d_k.shape[:2], 0)
-    return Prepared(q8, d_q.contiguous(), k8, d_k.contiguous(), pack_v(v8), d_v.contiguous(), no_repair, k.shape[1])
+    v_heads = v.transpose(1, 2)
+    v8, d_v = quantize_per_head(v_heads)
+    count = repair_count(k.shape[1], repair_ratio)
+    room = padded_len(count)
+    k8 = torch.nn.functional.pad(k8.contiguous().view(torch.uint8), (0, 0, 0, room))
+    prepared = Prepared(
+        q8.contiguous().view(torch.uint8),
+        d_q.contiguous(),
+        k8,
+        d_k.contiguous(),
+        torch.nn.functional.pad(pack_v(v8), (0, room)),
+        d_v.contiguous(),
+        d_k.new_empty(*d_k.shape[:2], room),
+        k.shape[1],
+    )
+    if count:
+        tau = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        energy = residual_energy(v_residual(v_heads, v8, d_v))
+        tokens = choose_repair_tokens(energy, count, q, k, ranking=repair_ranking, softmax_scale=tau)
+        write_repair_rows(prepared, v, tokens)
+    return prepared

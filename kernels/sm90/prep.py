@@ -1,17 +1,21 @@
 """Fused preparation for the sm90 kernel: Q and K to FP8 per 128-token block, V to FP8 per head, packed.
 
 Byte-identical to ``quant.quantize_per_block`` (Q, K) and ``layout.pack_v(quant.quantize_per_head(V))``
-(``layout.prepare_reference``). With K smoothing, K alone is quantized by PyTorch (its mean needs the whole
-sequence first).
+(``layout.prepare_reference``). With K smoothing, K's per-channel mean (``quant.channel_mean``, one PyTorch
+reduction: it needs the whole sequence) is subtracted inside the K launch.
 Inputs are diffusers' ``(B, S, H, 128)`` fp16/bf16, any strides whose head-dim stride is 1 and the others
 multiples of 8 elements (16 bytes); anything else is copied once by ``prepare``.
 
 Four launches, stream-ordered, no host synchronisation, capturable in a CUDA graph:
 
   QuantizePerBlock (Q)  x (B, S, H, 128)  -> x8 (B, H, S_pad, 128) E4M3, d (B, H, n_blocks)
-  QuantizePerBlock (K)  same
+  QuantizePerBlock (K)  same, optionally minus the channel mean (B, H, 128)
   AbsmaxPerHead    (V)  v                 -> amax (B, H): atomic max of each block's absmax
-  PackV            (V)  v, amax           -> v_packed (B, H, 136, S_pad) E4M3, d_v (B, H)
+  PackV            (V)  v, amax           -> v_packed (B, H, 136, S_pad) E4M3, d_v (B, H),
+                                             optionally each token's residual energy (B, H, S) for repair
+
+The outputs may be views into larger buffers (their batch, head and row strides are free): with V residual
+repair, k8 and v_packed have room for the repair keys after the real ones (``layout.write_repair_rows``).
 
 Every CTA owns one 128-token block of one (b, h): 256 threads, each holding 16 consecutive channels of
 4 tokens in registers (the block is read once per kernel). V is read twice: its scale needs the whole head.
@@ -20,6 +24,7 @@ atomics leave the result deterministic.
 """
 
 import functools
+import math
 import os
 
 import cuda.bindings.driver as cuda
@@ -29,8 +34,8 @@ import torch
 from cutlass import Float32, Int32, Uint8
 
 from ..compile_cache import load_or_compile
-from ..quant import ABSMAX_FLOOR, BLOCK, FP8_MAX, num_blocks, quantize_per_block, smooth_keys
-from .layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS, PV_N, Prepared
+from ..quant import ABSMAX_FLOOR, BLOCK, FP8_MAX, channel_mean, choose_repair_tokens, num_blocks, repair_count
+from .layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS, PV_N, Prepared, write_repair_rows
 
 THREADS = 256
 WARPS = THREADS // 32
@@ -79,6 +84,14 @@ def _scaled(stride, factor: int):
 
 
 @cute.jit
+def _block_coords(mX: cute.Tensor, n: Int32, tidx: Int32) -> cute.Tensor:
+    """The (token, channel) coordinates of this thread's 64 values of block n of ``mX`` (B, S, H, 128), in the
+    order ``_load_block`` holds them."""
+    cX = cute.local_tile(cute.make_identity_tensor((mX.shape[1], HEAD_DIM)), (BLOCK, HEAD_DIM), (n, 0))
+    return _token_major_copy(mX.element_type).get_slice(tidx).partition_S(cX)
+
+
+@cute.jit
 def _load_block(mX: cute.Tensor, b: Int32, h: Int32, n: Int32, tidx: Int32) -> cute.Tensor:
     """This thread's 64 values of block n of ``mX`` (B, S, H, 128) at (b, h); tokens past S read as 0.
 
@@ -88,9 +101,8 @@ def _load_block(mX: cute.Tensor, b: Int32, h: Int32, n: Int32, tidx: Int32) -> c
     tiled_copy = _token_major_copy(mX.element_type)
     thr_copy = tiled_copy.get_slice(tidx)
     gX = cute.local_tile(mX[b, None, h, None], (BLOCK, HEAD_DIM), (n, 0))
-    cX = cute.local_tile(cute.make_identity_tensor((seq_len, HEAD_DIM)), (BLOCK, HEAD_DIM), (n, 0))
     tXgX = thr_copy.partition_S(gX)
-    tXcX = thr_copy.partition_S(cX)
+    tXcX = _block_coords(mX, n, tidx)
     tXrX = cute.make_rmem_tensor_like(tXgX)
     tXrX.fill(0)
     for p in cutlass.range_constexpr(cute.size(tXgX, mode=[1])):
@@ -130,18 +142,70 @@ def _to_e4m3(x: cute.TensorSSA, scale: Float32) -> cute.TensorSSA:
     return (x * scale).to(cutlass.Float8E4M3FN)
 
 
+@cute.jit
+def _minus_channel_mean(x: cute.TensorSSA, mean: cute.Tensor, coords: cute.Tensor, seq_len: Int32) -> cute.TensorSSA:
+    """``x - mean[channel]`` in FP32 for real tokens (``quant.smooth_keys``); padding tokens stay 0, as the
+    reference pads after smoothing. ``mean``: this head's (128,) FP32 channel means; the thread's 16 channels
+    are the same in every pass, so their means are loaded once."""
+    centered = cute.make_rmem_tensor(x.shape, Float32)
+    centered.store(x)
+    channels = cute.size(centered, mode=[0])
+    means = cute.make_rmem_tensor(channels, Float32)
+    for i in cutlass.range_constexpr(channels):
+        means[i] = mean[coords[i, 0, 0][1]]
+    for p in cutlass.range_constexpr(cute.size(centered, mode=[1])):
+        if coords[0, p, 0][0] < seq_len:
+            for i in cutlass.range_constexpr(channels):
+                centered[i, p, 0] = centered[i, p, 0] - means[i]
+    return centered.load()
+
+
+@cute.jit
+def _store_residual_energy(
+    x: cute.TensorSSA, x8: cute.TensorSSA, descale: Float32, coords: cute.Tensor, energy: cute.Tensor
+):
+    """``energy[token] = sum_c (x - descale * x8)^2`` over the block's real tokens (``quant.residual_energy``,
+    summed in another order). A thread holds 16 channels of 4 tokens; 8 neighbouring lanes share a token.
+
+    ``energy``: this head's (S,) FP32 row.
+    """
+    squares = cute.make_rmem_tensor(x.shape, Float32)
+    squares.store(x8.to(Float32))  # the FP8 fragment's shape groups the same 16 values differently
+    residual = x - squares.load() * descale
+    squares.store(residual * residual)
+    for p in cutlass.range_constexpr(cute.size(squares, mode=[1])):
+        total = Float32(0.0)
+        for i in cutlass.range_constexpr(cute.size(squares, mode=[0])):
+            total += squares[i, p, 0]
+        # The THREADS_PER_TOKEN = 8 lanes of a token: a butterfly over lane bits 0..2, all lanes converged.
+        for bit in cutlass.range_constexpr(3):
+            total += cute.arch.shuffle_sync_bfly(total, offset=1 << bit)
+        token, channel = coords[0, p, 0]
+        if channel == 0:
+            if token < energy.shape[0]:
+                energy[token] = total
+
+
 class QuantizePerBlock:
-    """Q or K: one scale per 128-token block. Grid (n_blocks, H, B)."""
+    """Q or K: one scale per 128-token block, optionally of K minus its channel mean. Grid (n_blocks, H, B)."""
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mX8: cute.Tensor, mD: cute.Tensor, stream: cuda.CUstream):
-        """mX (B, S, H, 128) fp16/bf16; mX8 (B, H, S_pad, 128) uint8, row-major; mD (B, H, n_blocks) fp32."""
-        self.kernel(mX, mX8, mD).launch(
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mX8: cute.Tensor,
+        mD: cute.Tensor,
+        mMean: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
+        """mX (B, S, H, 128) fp16/bf16; mX8 (B, H, S_pad, 128) uint8, rows contiguous; mD (B, H, n_blocks) fp32;
+        mMean (B, H, 128) fp32 channel means to subtract, or None."""
+        self.kernel(mX, mX8, mD, mMean).launch(
             grid=[mD.shape[2], mD.shape[1], mD.shape[0]], block=[THREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mX8: cute.Tensor, mD: cute.Tensor):
+    def kernel(self, mX: cute.Tensor, mX8: cute.Tensor, mD: cute.Tensor, mMean: cute.Tensor | None):
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -149,6 +213,8 @@ class QuantizePerBlock:
 
         tXrX = _load_block(mX, b, h, n, tidx)
         x = tXrX.load().to(Float32)
+        if cutlass.const_expr(mMean is not None):
+            x = _minus_channel_mean(x, mMean[b, h, None], _block_coords(mX, n, tidx), mX.shape[1])
         a = _block_absmax(x, reduction_buffer)
         scale, descale = _scale_and_descale(a)
 
@@ -191,7 +257,8 @@ class AbsmaxPerHead:
 
 
 class PackV:
-    """V pass 2: quantize with the head's scale, then transpose, permute keys and add the ones rows.
+    """V pass 2: quantize with the head's scale, then transpose, permute keys and add the ones rows; optionally
+    each token's residual energy, which ranks the V residual repair candidates.
 
     Grid (n_blocks, H, B). The block goes through shared memory as E4M3 ``sV8[key, channel]`` (128 x 128
     bytes, row-major); packed V reads it back through ``(channel, position) -> sV8[perm(position), channel]``.
@@ -199,16 +266,25 @@ class PackV:
 
     @cute.jit
     def __call__(
-        self, mV: cute.Tensor, mAmax: cute.Tensor, mVp: cute.Tensor, mDv: cute.Tensor, stream: cuda.CUstream
+        self,
+        mV: cute.Tensor,
+        mAmax: cute.Tensor,
+        mVp: cute.Tensor,
+        mDv: cute.Tensor,
+        mEnergy: cute.Tensor | None,
+        stream: cuda.CUstream,
     ):
-        """mV (B, S, H, 128) fp16/bf16; mAmax (B, H) fp32; mVp (B, H, 136, S_pad) uint8, row-major; mDv (B, H) fp32."""
+        """mV (B, S, H, 128) fp16/bf16; mAmax (B, H) fp32; mVp (B, H, 136, S_pad) uint8, rows contiguous;
+        mDv (B, H) fp32; mEnergy (B, H, S) fp32 or None."""
         n_blocks = cute.ceil_div(mV.shape[1], BLOCK)
-        self.kernel(mV, mAmax, mVp, mDv).launch(
+        self.kernel(mV, mAmax, mVp, mDv, mEnergy).launch(
             grid=[n_blocks, mV.shape[2], mV.shape[0]], block=[THREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
-    def kernel(self, mV: cute.Tensor, mAmax: cute.Tensor, mVp: cute.Tensor, mDv: cute.Tensor):
+    def kernel(
+        self, mV: cute.Tensor, mAmax: cute.Tensor, mVp: cute.Tensor, mDv: cute.Tensor, mEnergy: cute.Tensor | None
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -224,6 +300,8 @@ class PackV:
         tVrV8 = cute.make_rmem_tensor_like(tVsV8)
         tVrV8.store(_to_e4m3(x, scale))
         cute.copy(tiled_copy, tVrV8, tVsV8)
+        if cutlass.const_expr(mEnergy is not None):
+            _store_residual_energy(x, tVrV8.load(), descale, _block_coords(mV, n, tidx), mEnergy[b, h, None])
         cute.arch.barrier()
 
         # Packed tile (channel 128, position 128) -> sV8[perm(position), channel]:
@@ -262,12 +340,23 @@ class PackV:
 
 # ---- compilation: once per (kernel, input dtype), shapes and strides symbolic; no GPU needed ----
 
+PREP_KINDS = ("quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy")
+"""The compiled kernels: quantize Q or K, K minus its channel mean (smooth_k), V's absmax, packed V without and
+with the residual energies (V residual repair)."""
+
 
 def _input_fake(dtype: type[cutlass.Numeric]):
     """(B, S, H, 128) with any 16-byte-multiple strides and a contiguous head dim."""
     shape = (cute.sym_int(), cute.sym_int(), cute.sym_int(), HEAD_DIM)
     stride = (*(cute.sym_int64(divisibility=INPUT_ALIGN // (dtype.width // 8)) for _ in range(3)), 1)
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=INPUT_ALIGN)
+
+
+def _rows_fake(shape: tuple):
+    """A uint8 output whose last dim is contiguous and whose other strides are free multiples of 16 bytes: a view
+    of the real keys inside a buffer with room for repair keys."""
+    stride = (*(cute.sym_int64(divisibility=INPUT_ALIGN) for _ in shape[:-1]), 1)
+    return cute.runtime.make_fake_tensor(Uint8, shape, stride=stride, assumed_align=INPUT_ALIGN)
 
 
 def _row_major_fake(dtype: type[cutlass.Numeric], shape: tuple, align: int):
@@ -282,33 +371,24 @@ def load_prep(kind: str, dtype: torch.dtype):
 
 
 def compile_prep(kind: str, dtype: torch.dtype):
-    """Compile one preparation kernel (``"quantize_per_block"``, ``"absmax_per_head"``, ``"pack_v"``)
-    for fp16 or bf16 inputs; set ``CUTE_DSL_ARCH=sm_90a`` to compile without a GPU."""
+    """Compile one preparation kernel (one of ``PREP_KINDS``) for fp16 or bf16 inputs; set
+    ``CUTE_DSL_ARCH=sm_90a`` to compile without a GPU."""
+    if kind not in PREP_KINDS:
+        raise ValueError(f"unknown preparation kernel {kind!r}; known: {', '.join(PREP_KINDS)}")
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     x = _input_fake(TORCH_TO_CUTLASS[dtype])
-    b, h = cute.sym_int(), cute.sym_int()
+    b, h, s_pad = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=BLOCK)
+    per_head = _row_major_fake(Float32, (b, h), 4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    if kind == "quantize_per_block":
-        s_pad, n = cute.sym_int(divisibility=BLOCK), cute.sym_int()
-        args = (
-            QuantizePerBlock(),
-            x,
-            _row_major_fake(Uint8, (b, h, s_pad, HEAD_DIM), INPUT_ALIGN),
-            _row_major_fake(Float32, (b, h, n), 4),
-        )
+    if kind.startswith("quantize"):
+        mean = _row_major_fake(Float32, (b, h, HEAD_DIM), 16) if kind == "quantize_centered_per_block" else None
+        x8, d = _rows_fake((b, h, s_pad, HEAD_DIM)), _row_major_fake(Float32, (b, h, cute.sym_int()), 4)
+        args = (QuantizePerBlock(), x, x8, d, mean)
     elif kind == "absmax_per_head":
-        args = (AbsmaxPerHead(), x, _row_major_fake(Float32, (b, h), 4))
-    elif kind == "pack_v":
-        s_pad = cute.sym_int(divisibility=BLOCK)
-        args = (
-            PackV(),
-            x,
-            _row_major_fake(Float32, (b, h), 4),
-            _row_major_fake(Uint8, (b, h, PV_N, s_pad), INPUT_ALIGN),
-            _row_major_fake(Float32, (b, h), 4),
-        )
+        args = (AbsmaxPerHead(), x, per_head)
     else:
-        raise ValueError(f"unknown preparation kernel {kind!r}")
+        energy = _row_major_fake(Float32, (b, h, cute.sym_int()), 4) if kind == "pack_v_energy" else None
+        args = (PackV(), x, per_head, _rows_fake((b, h, PV_N, s_pad)), _row_major_fake(Float32, (b, h), 4), energy)
     return cute.compile(*args, stream, options="--enable-tvm-ffi")
 
 
@@ -329,51 +409,78 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
     return x if in_place else torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
 
 
-def empty_prepared(batch: int, seq_q: int, seq_k: int, heads: int, device: torch.device | str) -> Prepared:
-    """Uninitialised outputs for ``prepare_into``."""
+def empty_prepared(
+    batch: int, seq_q: int, seq_k: int, heads: int, device: torch.device | str, *, repair_keys: int = 0
+) -> Prepared:
+    """Uninitialised outputs for ``prepare_into``, with room for ``repair_keys`` (a multiple of 128) after the
+    real keys."""
     n_q, n_k = num_blocks(seq_q), num_blocks(seq_k)
     empty = functools.partial(torch.empty, device=device)
     return Prepared(
         q8=empty(batch, heads, n_q * BLOCK, HEAD_DIM, dtype=torch.uint8),
         d_q=empty(batch, heads, n_q, dtype=torch.float32),
-        k8=empty(batch, heads, n_k * BLOCK, HEAD_DIM, dtype=torch.uint8),
+        k8=empty(batch, heads, n_k * BLOCK + repair_keys, HEAD_DIM, dtype=torch.uint8),
         d_k=empty(batch, heads, n_k, dtype=torch.float32),
-        v_packed=empty(batch, heads, PV_N, n_k * BLOCK, dtype=torch.uint8),
+        v_packed=empty(batch, heads, PV_N, n_k * BLOCK + repair_keys, dtype=torch.uint8),
         d_v=empty(batch, heads, dtype=torch.float32),
-        d_k_repair=empty(batch, heads, 0, dtype=torch.float32),
+        d_k_repair=empty(batch, heads, repair_keys, dtype=torch.float32),
         seqlen_k=seq_k,
     )
 
 
 def prepare_into(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Prepared, *, smooth_k: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: Prepared,
+    *,
+    smooth_k: bool = False,
+    residual_energy: torch.Tensor | None = None,
 ) -> Prepared:
-    """``prepare`` into the buffers of ``out`` (from ``empty_prepared``, contiguous); returns ``out``.
+    """``prepare``'s real keys into the buffers of ``out`` (from ``empty_prepared``); returns ``out``.
+    ``residual_energy`` (B, H, S_k) fp32, where given, receives ``quant.residual_energy`` of every token.
 
-    Four launches on the current stream; the only allocation (the V absmax accumulator, zeroed by torch)
-    comes before them, and nothing waits on the host, so a call can be captured in a CUDA graph.
+    Four launches on the current stream; the only allocations (the V absmax accumulator, zeroed by torch, and
+    with ``smooth_k`` K's channel mean) come before them, and nothing waits on the host, so a call can be
+    captured in a CUDA graph.
     """
-    q, v = _kernel_ready(q), _kernel_ready(v)
+    mean_k = channel_mean(k.transpose(1, 2)).squeeze(2) if smooth_k else None  # the reference's reduction
+    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    s_pad = num_blocks(out.seqlen_k) * BLOCK
     amax_v = torch.zeros(v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
-    load_prep("quantize_per_block", q.dtype)(q, out.q8, out.d_q)
-    if smooth_k:
-        # The mean spans the whole sequence, so smoothed K is quantized by PyTorch, in FP32 as the reference.
-        k8, d_k = quantize_per_block(smooth_keys(k.transpose(1, 2)))
-        out.k8.copy_(k8.view(torch.uint8))
-        out.d_k.copy_(d_k)
-    else:
-        k = _kernel_ready(k)
-        load_prep("quantize_per_block", k.dtype)(k, out.k8, out.d_k)
+    load_prep("quantize_per_block", q.dtype)(q, out.q8, out.d_q, None)
+    k_kind = "quantize_centered_per_block" if smooth_k else "quantize_per_block"
+    load_prep(k_kind, k.dtype)(k, out.k8[:, :, :s_pad], out.d_k, mean_k)
     load_prep("absmax_per_head", v.dtype)(v, amax_v)
-    load_prep("pack_v", v.dtype)(v, amax_v, out.v_packed, out.d_v)
+    v_kind = "pack_v" if residual_energy is None else "pack_v_energy"
+    load_prep(v_kind, v.dtype)(v, amax_v, out.v_packed[..., :s_pad], out.d_v, residual_energy)
     return out
 
 
-def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = False) -> Prepared:
+def prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    smooth_k: bool = False,
+    repair_ratio: float = 0.0,
+    repair_ranking: str = "attention",
+    softmax_scale: float | None = None,
+) -> Prepared:
     """Quantize ``(B, S, H, 128)`` fp16/bf16 CUDA tensors q, k, v for the sm90 kernel, on the current stream.
 
-    Byte-identical to ``layout.prepare_reference`` (``smooth_k`` as there). Arguments are checked by the
-    caller (``validation``, ``support``): same device, dtype, batch and heads.
+    Byte-identical to ``layout.prepare_reference`` with the same options, except that the repair tokens are
+    ranked by residual energies summed in another order (the choice can differ where two tokens nearly tie).
+    Arguments are checked by the caller (``validation``, ``support``): same device, dtype, batch and heads.
     """
     batch, seq_q, heads, _ = q.shape
-    return prepare_into(q, k, v, empty_prepared(batch, seq_q, k.shape[1], heads, q.device), smooth_k=smooth_k)
+    seq_k = k.shape[1]
+    count = repair_count(seq_k, repair_ratio)
+    out = empty_prepared(batch, seq_q, seq_k, heads, q.device, repair_keys=num_blocks(count) * BLOCK)
+    energy = torch.empty(batch, heads, seq_k, dtype=torch.float32, device=q.device) if count else None
+    prepare_into(q, k, v, out, smooth_k=smooth_k, residual_energy=energy)
+    if count:
+        tau = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(HEAD_DIM)
+        tokens = choose_repair_tokens(energy, count, q, k, ranking=repair_ranking, softmax_scale=tau)
+        write_repair_rows(out, v, tokens)
+    return out
