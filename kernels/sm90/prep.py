@@ -444,7 +444,7 @@ def prepare_into(
     with ``smooth_k`` K's channel mean) come before them, and nothing waits on the host, so a call can be
     captured in a CUDA graph.
     """
-    mean_k = channel_mean(k.transpose(1, 2)).squeeze(2) if smooth_k else None  # the reference's reduction
+    mean_k = channel_mean(k.transpose(1, 2)).squeeze(2).contiguous() if smooth_k else None  # the reference's reduction
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     s_pad = num_blocks(out.seqlen_k) * BLOCK
     amax_v = torch.zeros(v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
