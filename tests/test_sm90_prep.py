@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from openvc_kernels.quant import BLOCK, quantize_per_head, residual_energy, v_residual
+from openvc_kernels.quant import BLOCK, attention_mass, quantize_per_head, residual_energy, v_residual
 from openvc_kernels.sm90.layout import CHUNK, KEY_PERMUTATION, prepare_reference
 
 cutlass = pytest.importorskip("cutlass")
@@ -126,7 +126,7 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
     if kind == "pack_v_energy":
         # The residual from the FP8 bytes just written, then one energy per token: a 3-step butterfly over its
         # 8 lanes for each of the 4 tokens, and one 4-byte store per token (plus d_v's).
-        assert ops.get("cvt.rn.f16x2.e4m3x2") == 32
+        assert ops.get("cvt.rn.f16x2.e4m3x2") == 32 and ops.get("mul.rn.f32") == 64  # d_v * V8 rounded alone
         assert ops.get("shfl.sync.bfly.b32") == 12 and ops.get("st.global.b32") == 4 + 1
 
 
@@ -256,6 +256,17 @@ def test_residual_energy_matches_reference(seed, batch, seq_len, heads):
     v8, d_v = quantize_per_head(v_heads)
     expected = residual_energy(v_residual(v_heads, v8, d_v))
     torch.testing.assert_close(energy, expected, rtol=1e-5, atol=0, msg=lambda m: f"{m} (seed {seed})")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("batch", [1, 2])
+def test_attention_mass_from_16_bit_inputs(seed, batch):
+    """The 16-bit GEMM with FP32 output (strided K, scale as alpha) gives the FP32 path's mass estimate."""
+    q, k = (torch.randn(batch, 3000, 5, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    got = attention_mass(q, k, 0.09)
+    expected = attention_mass(q.double(), k.double(), 0.09).float()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-9, msg=lambda m: f"{m} (seed {seed})")
 
 
 @pytest.mark.gpu

@@ -35,6 +35,7 @@ from cutlass import Float32, Int32, Uint8
 
 from ..compile_cache import load_or_compile
 from ..quant import ABSMAX_FLOOR, BLOCK, FP8_MAX, channel_mean, choose_repair_tokens, num_blocks, repair_count
+from .softmax import mul_rn
 from .layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS, PV_N, Prepared, write_repair_rows
 
 THREADS = 256
@@ -164,19 +165,22 @@ def _minus_channel_mean(x: cute.TensorSSA, mean: cute.Tensor, coords: cute.Tenso
 def _store_residual_energy(
     x: cute.TensorSSA, x8: cute.TensorSSA, descale: Float32, coords: cute.Tensor, energy: cute.Tensor
 ):
-    """``energy[token] = sum_c (x - descale * x8)^2`` over the block's real tokens (``quant.residual_energy``,
-    summed in another order). A thread holds 16 channels of 4 tokens; 8 neighbouring lanes share a token.
+    """``energy[token] = sum_c (x - descale * x8)^2`` over the block's real tokens (``quant.residual_energy``:
+    the same residuals, summed in another order). A thread holds 16 channels of 4 tokens; 8 neighbouring lanes
+    share a token.
 
-    ``energy``: this head's (S,) FP32 row.
+    ``energy``: this head's (S,) FP32 row. The product is rounded on its own (``mul.rn``), as torch's two
+    kernels round it: contracted into an FMA, the residuals of well-quantized values would come out different.
     """
-    squares = cute.make_rmem_tensor(x.shape, Float32)
-    squares.store(x8.to(Float32))  # the FP8 fragment's shape groups the same 16 values differently
-    residual = x - squares.load() * descale
-    squares.store(residual * residual)
-    for p in cutlass.range_constexpr(cute.size(squares, mode=[1])):
+    values = cute.make_rmem_tensor(x.shape, Float32)
+    values.store(x)
+    decoded = cute.make_rmem_tensor(x.shape, Float32)
+    decoded.store(x8.to(Float32))  # the FP8 fragment's shape groups the same 16 values differently
+    for p in cutlass.range_constexpr(cute.size(values, mode=[1])):
         total = Float32(0.0)
-        for i in cutlass.range_constexpr(cute.size(squares, mode=[0])):
-            total += squares[i, p, 0]
+        for i in cutlass.range_constexpr(cute.size(values, mode=[0])):
+            residual = values[i, p, 0] - mul_rn(decoded[i, p, 0], descale)
+            total += residual * residual
         # The THREADS_PER_TOKEN = 8 lanes of a token: a butterfly over lane bits 0..2, all lanes converged.
         for bit in cutlass.range_constexpr(3):
             total += cute.arch.shuffle_sync_bfly(total, offset=1 << bit)
