@@ -72,7 +72,7 @@ def prepare(
     *,
     smooth_k: bool = False,
     repair_ratio: float = 0.0,
-    repair_ranking: str = "attention",
+    repair_ranking: str = "energy",
     softmax_scale: float | None = None,
 ) -> Prepared:
     """Quantize ``(B, S, H, 128)`` q, k, v as ``reference_attention`` does, and pack V for the kernel: the bytes
@@ -142,7 +142,7 @@ def attention(
     window: int | None = 4,
     smooth_k: bool = False,
     repair_ratio: float = 0.0,
-    repair_ranking: str = "attention",
+    repair_ranking: str = "energy",
 ) -> torch.Tensor:
     """Open-VC FP8 ExpCast attention on a Hopper GPU: ``(B, S, H, 128)`` fp16/bf16 in, bf16 out.
 

@@ -64,7 +64,7 @@ def reference_attention(
     repair_ratio: float = 0.0,
     window: int | None = 4,
     smooth_k: bool = False,
-    repair_ranking: str = "attention",
+    repair_ranking: str = "energy",
     accumulation: str = "exact",
 ) -> torch.Tensor:
     """Open-VC attention on ``(B, S, H, D)`` inputs (fp16, bf16 or fp32), BF16 output ``(B, S_q, H, D)``.

@@ -17,7 +17,7 @@ def check_attention_args(
     *,
     repair_ratio: float,
     window: int | None,
-    repair_ranking: str = "attention",
+    repair_ranking: str = "energy",
     dtypes: tuple[torch.dtype, ...] = INPUT_DTYPES,
 ) -> None:
     """Raise ``ValueError`` unless q, k, v are ``(B, S, H, D)`` tensors that attention can take."""

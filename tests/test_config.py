@@ -15,7 +15,7 @@ def test_defaults():
     assert cfg == OpenVCConfig()
     assert cfg.backends == ("openvc", "fa4", "sdpa")
     assert cfg.min_tokens == 1024
-    assert cfg.repair_ratio == 0.0
+    assert cfg.repair_ratio == 0.005 and cfg.repair_ranking == "energy" and cfg.smooth_k
     assert cfg.window == 4
     assert cfg.cross_attention == "sdpa"
     assert cfg.bf16_layers == frozenset() and cfg.bf16_steps == frozenset()

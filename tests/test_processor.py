@@ -93,9 +93,12 @@ def test_apply_rejects_unsupported_models():
 
 def test_attention_function_on_cpu_uses_the_reference():
     q, k, v = (torch.randn(1, 300, 2, 128, dtype=torch.bfloat16) for _ in range(3))
-    out = openvc_diffusers.attention(q, k, v, {"min_tokens": 0, "repair_ratio": 0.0})
-    assert torch.equal(out, openvc_kernels.reference_attention(q, k, v, repair_ratio=0.0, window=4))
+    out = openvc_diffusers.attention(q, k, v, {"min_tokens": 0})  # the default repair and K smoothing
+    expected = openvc_kernels.reference_attention(q, k, v, repair_ratio=0.005, smooth_k=True, window=4)
+    assert torch.equal(out, expected)
     assert rel_l2(out, exact_attention(q, k, v)) < 0.065
+    plain = openvc_diffusers.attention(q, k, v, {"min_tokens": 0, "repair_ratio": 0.0, "smooth_k": False})
+    assert torch.equal(plain, openvc_kernels.reference_attention(q, k, v, repair_ratio=0.0, window=4))
 
 
 def test_torch_compile_of_the_transformer_gives_the_eager_output():

@@ -137,7 +137,7 @@ def prepare_reference(
     *,
     smooth_k: bool = False,
     repair_ratio: float = 0.0,
-    repair_ranking: str = "attention",
+    repair_ranking: str = "energy",
     softmax_scale: float | None = None,
 ) -> Prepared:
     """The preparation in PyTorch, from ``(B, S, H, 128)`` q, k, v: the bytes the fused kernels must write.

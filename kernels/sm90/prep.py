@@ -468,7 +468,7 @@ def prepare(
     *,
     smooth_k: bool = False,
     repair_ratio: float = 0.0,
-    repair_ranking: str = "attention",
+    repair_ranking: str = "energy",
     softmax_scale: float | None = None,
 ) -> Prepared:
     """Quantize ``(B, S, H, 128)`` fp16/bf16 CUDA tensors q, k, v for the sm90 kernel, on the current stream.
