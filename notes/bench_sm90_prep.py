@@ -94,7 +94,8 @@ def main() -> None:
         "repair: write_repair_rows": (lambda: write_repair_rows(repaired, v, tokens), 0),
         "prepare, rho=0.005 energy ranking": (lambda: prep.prepare(q, k, v, repair_ratio=REPAIR_RATIO,
                                                                    repair_ranking="energy"), 0),
-        "prepare, rho=0.005 attention ranking": (lambda: prep.prepare(q, k, v, repair_ratio=REPAIR_RATIO), 0),
+        "prepare, rho=0.005 attention ranking": (lambda: prep.prepare(q, k, v, repair_ratio=REPAIR_RATIO,
+                                                                      repair_ranking="attention"), 0),
         "prepare, smooth_k": (lambda: prep.prepare(q, k, v, smooth_k=True), 0),
     }
     graph = torch.cuda.CUDAGraph()
