@@ -262,7 +262,7 @@ def test_residual_energy_matches_reference(seed, batch, seq_len, heads):
 @needs_hopper
 @pytest.mark.parametrize("batch", [1, 2])
 def test_attention_mass_from_16_bit_inputs(seed, batch):
-    """The 16-bit GEMM with FP32 output (strided K, scale as alpha) gives the FP32 path's mass estimate."""
+    """The 16-bit GEMM with FP32 output (straight from K's strided view) gives the FP32 path's mass estimate."""
     q, k = (torch.randn(batch, 3000, 5, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
     got = attention_mass(q, k, 0.09)
     expected = attention_mass(q.double(), k.double(), 0.09).float()
