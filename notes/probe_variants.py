@@ -7,7 +7,6 @@ from openvc_kernels.ops import attention_prepared, prepare
 
 VARIANTS = {
     "default": dict(),
-    "stage per tile": dict(constant_stages=False),
     "promote every tile": dict(promote_every=1),
     "promote every 4": dict(promote_every=4),
     "ping-pong": dict(pingpong=True),

@@ -91,9 +91,7 @@ def test_sass_has_no_exp_per_score(sass):
     """One MUFU.EX2 per row for the rescale at most; ExpCast is FFMA + FMNMX + PRMT per score."""
     ops = _opcodes(sass)
     count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))
-    # Every compiled copy of the key-tile step issues 8 wgmmas (QK and PV, 4 k-blocks each) and rescales 2 rows.
-    step_copies = count("QGMMA") // 8
-    assert 0 < count("MUFU.EX2") <= 2 * step_copies
+    assert count("MUFU.EX2") <= 4
     assert count("FFMA") >= 2 * SCORES_PER_THREAD
     assert count("PRMT") >= 2 * SCORES_PER_THREAD * 3 // 4
     conversions = sum(n for op, n in ops.items() if op.split(".")[0] in ("F2I", "F2F"))

@@ -92,19 +92,10 @@ class ExpCastAttentionSm90:
     """Compile-time configuration: the visiting order (mid-window or plain) and the KV pipeline depth."""
 
     def __init__(
-        self,
-        plain_order: bool = False,
-        kv_stages: int = KV_STAGES,
-        pingpong: bool = False,
-        promote_every: int = 2,
-        constant_stages: bool = True,
+        self, plain_order: bool = False, kv_stages: int = KV_STAGES, pingpong: bool = False, promote_every: int = 2
     ):
         self.plain_order = plain_order
         self.kv_stages = kv_stages
-        # Unroll the real key tiles by kv_stages so that every stage index is a compile-time constant: the
-        # stages' wgmma descriptors and barrier addresses fold instead of being rebuilt per tile (~25 uniform
-        # instructions per warp and tile; the kernel is bound by its instruction issue, notes/kernel.md).
-        self.constant_stages = constant_stages
         # The FP8 wgmma adds into its accumulator with ~14 significant bits, so summing PV over all
         # tiles in it drops small products. Every promote_every tiles its sum moves into FP32 registers.
         self.promote_every = promote_every
@@ -391,21 +382,8 @@ class ExpCastAttentionSm90:
         mmas = (tiled_mma_qk, tiled_mma_pv, frag_q, frag_k, frag_v, frag_p, acc_s, acc_pv)
         sums = (scores, key_coords, m, anchor, alpha, acc_o)
         keys = (start, n_k, last_tile, last_valid, s, d_k, d_k_repair, wg)
-        pipes = (pipeline_k, pipeline_v)
-        first = 1
-        if const_expr(self.constant_stages):
-            # Steps 1 .. in groups of kv_stages; before step i the K state is at index (i - 1) % stages and
-            # phase ((i - 1) // stages) % 2, so each group starts from index 0 and its phase.
-            stages = self.kv_stages
-            groups = (n_k - 1) // stages
-            for g in cutlass.range(groups, unroll=1):
-                state = pipeline.PipelineState(stages, Int32(g * stages), Int32(0), Int32(g) & 1)
-                for j in cutlass.range_constexpr(stages):
-                    state = self.step(1 + g * stages + j, state, False, mmas, sums, pipes, keys)
-            first = 1 + groups * stages
-            state = pipeline.PipelineState(stages, Int32(groups * stages), Int32(0), Int32(groups) & 1)
-        for i in cutlass.range(first, n_k, unroll=1):
-            state = self.step(i, state, False, mmas, sums, pipes, keys)
+        for i in cutlass.range(1, n_k, unroll=1):
+            state = self.step(i, state, False, mmas, sums, (pipeline_k, pipeline_v), keys)
         for i in cutlass.range(n_k, n_k + repair_tiles, unroll=1):
             state = self.step(i, state, True, mmas, sums, (pipeline_k, pipeline_v), keys)
 
