@@ -6,13 +6,13 @@ repeated calls. ``torch.ops.openvc.attention`` is the registered custom op (with
 ``torch.compile`` can trace through it).
 """
 
-import math
 import os
 import torch
 
 from .expcast import CODES_PER_NAT
 from .sm90.layout import HEAD_DIM, PV_N, Prepared
 from .compile_cache import load_or_compile
+from .quant import softmax_scale_or_default
 from .support import KERNEL_DTYPES, kernel_unavailable_reason
 from .validation import check_attention_args
 
@@ -157,5 +157,5 @@ def attention(
         q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking,
         dtypes=KERNEL_DTYPES,
     )
-    tau = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    tau = softmax_scale_or_default(softmax_scale, q.shape[-1])
     return _attention_op(q, k, v, float(tau), window, bool(smooth_k), float(repair_ratio), repair_ranking)

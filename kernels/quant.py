@@ -5,6 +5,8 @@ Q and K get one scale per 128-token block, V one scale per head (DESIGN.md secti
 All tensors here are head-major, ``(B, H, S, D)``; the public entry points take diffusers' ``(B, S, H, D)``.
 """
 
+import math
+
 import torch
 
 FP8_MAX = 448.0
@@ -98,6 +100,11 @@ def _sampled_scores(q_rows: torch.Tensor, k: torch.Tensor, softmax_scale: float)
     return torch.stack(scores).mul_(softmax_scale)
 
 
+def softmax_scale_or_default(softmax_scale: float | None, head_dim: int) -> float:
+    """``softmax_scale``, or the usual ``1 / sqrt(head_dim)`` where it is None."""
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+
 def attention_mass(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """Mean squared softmax probability each key gets from ``MASS_SAMPLE_ROWS`` evenly spaced query rows
     (FP32 softmax on ``(B, H, S, D)`` q, k): ``(B, H, S_k)``.
@@ -123,11 +130,21 @@ def select_repair_tokens(energy: torch.Tensor, count: int, key_weight: torch.Ten
 
 
 def choose_repair_tokens(
-    energy: torch.Tensor, count: int, q: torch.Tensor, k: torch.Tensor, *, ranking: str, softmax_scale: float
+    energy: torch.Tensor,
+    count: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    ranking: str,
+    softmax_scale: float | None,
 ) -> torch.Tensor:
     """The repair tokens per head, from their ``residual_energy`` (B, H, S) and ``(B, S, H, D)`` q, k (for the
-    "attention" ranking's ``attention_mass``): ``(B, H, count)`` int64, best first."""
-    mass = attention_mass(q.transpose(1, 2), k.transpose(1, 2), softmax_scale) if ranking == "attention" else None
+    "attention" ranking's ``attention_mass``; ``softmax_scale`` defaults to ``1 / sqrt(D)``): ``(B, H, count)``
+    int64, best first."""
+    if ranking != "attention":
+        return select_repair_tokens(energy, count)
+    tau = softmax_scale_or_default(softmax_scale, q.shape[-1])
+    mass = attention_mass(q.transpose(1, 2), k.transpose(1, 2), tau)
     return select_repair_tokens(energy, count, mass)
 
 

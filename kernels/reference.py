@@ -26,6 +26,7 @@ from .quant import (
     repair_count,
     residual_energy,
     smooth_keys,
+    softmax_scale_or_default,
     v_residual,
 )
 from .validation import check_attention_args
@@ -84,7 +85,7 @@ def reference_attention(
     dot = wgmma_e4m3_dot if like_wgmma else lambda a, b: a @ b.transpose(-1, -2)
     batch, s_q, heads, dim = q.shape
     s_k = k.shape[1]
-    tau = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(dim)
+    tau = softmax_scale_or_default(softmax_scale, dim)
     n_q, n_k = num_blocks(s_q), num_blocks(s_k)
 
     q8, d_q = quantize_per_block(q.transpose(1, 2))

@@ -17,7 +17,6 @@ packs, for each h, the codes of columns ``2t + {0, 1} + 8 * {2h, 2h + 1}`` into 
 against the tiled MMA's printed layouts.
 """
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -161,8 +160,7 @@ def prepare_reference(
         k.shape[1],
     )
     if count:
-        tau = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         energy = residual_energy(v_residual(v_heads, v8, d_v))
-        tokens = choose_repair_tokens(energy, count, q, k, ranking=repair_ranking, softmax_scale=tau)
+        tokens = choose_repair_tokens(energy, count, q, k, ranking=repair_ranking, softmax_scale=softmax_scale)
         write_repair_rows(prepared, v, tokens)
     return prepared

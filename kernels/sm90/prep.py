@@ -24,7 +24,6 @@ atomics leave the result deterministic.
 """
 
 import functools
-import math
 import os
 
 import cuda.bindings.driver as cuda
@@ -484,7 +483,6 @@ def prepare(
     energy = torch.empty(batch, heads, seq_k, dtype=torch.float32, device=q.device) if count else None
     prepare_into(q, k, v, out, smooth_k=smooth_k, residual_energy=energy)
     if count:
-        tau = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(HEAD_DIM)
-        tokens = choose_repair_tokens(energy, count, q, k, ranking=repair_ranking, softmax_scale=tau)
+        tokens = choose_repair_tokens(energy, count, q, k, ranking=repair_ranking, softmax_scale=softmax_scale)
         write_repair_rows(out, v, tokens)
     return out
