@@ -20,8 +20,9 @@ MAX_CODE = 120
 CODES_PER_NAT = 8.0 * math.log2(math.e)
 """Codes per unit of natural-log score: 8 codes per octave times log2(e)."""
 
-ROUND_MAGIC = float(2**23)
-"""Added to a value in [0, 2^23) makes the FP32 rounding an RNE to an integer held in the low mantissa bits."""
+CODE_UNIT = 2.0**-24
+"""FP16's smallest subnormal. The kernel's FFMA writes a code c as c * 2^-24; converting that to FP16 rounds it to
+the subnormal grid (the RNE of the code) and leaves c as the FP16 word, so its low byte is the E4M3 byte."""
 
 
 def expcast_encode(z: torch.Tensor) -> torch.Tensor:
@@ -41,22 +42,25 @@ def expcast_decode(codes: torch.Tensor) -> torch.Tensor:
 
 
 def anchored_encode(raw: torch.Tensor, coef: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-    """Codes as the kernel's single FFMA forms them: ``clamp(rne(raw * coef + anchor), 0, 120)``.
+    """Codes as the kernel forms them: ``clamp(rne(fp32(raw * coef' + anchor') / 2^-24), 0, 120)``.
 
-    ``anchor`` is an integer (see ``code_anchor``), so ``anchor + 2^23`` is exact in FP32 and the FMA's one
-    rounding is the RNE to an integer. The FMA is emulated in float64: the FP32 product is exact there.
-    Masked scores (-inf) give code 0.
+    ``coef' = fp32(coef * 2^-24)`` and ``anchor' = anchor * 2^-24``: the kernel's one FFMA writes the code in
+    units of FP16's smallest subnormal, and the FP32 -> FP16 conversion that packs two codes rounds it to an
+    integer (RNE) and clips negatives (and -inf, masked keys) to 0. Two roundings, FP32 then FP16: a code can
+    differ from the RNE of the exact value where that lies within an FP32 ulp of a half code. The FMA is
+    emulated in float64 (the FP32 product is exact there) and rounded once to FP32.
     """
-    y = torch.addcmul(anchor.double(), raw.double(), coef.double())
-    return torch.round(y).clamp_(0, MAX_CODE).to(torch.uint8)
+    unit = torch.tensor(CODE_UNIT, dtype=torch.float32)
+    scaled = torch.addcmul((anchor.float() * unit).double(), raw.double(), (coef.float() * unit).double())
+    return torch.round(scaled.float().double() / CODE_UNIT).clamp_(0, MAX_CODE).to(torch.uint8)
 
 
 def code_anchor(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """The integer code offset of a row whose running max is ``m`` and codes-per-score is ``s``.
 
-    ``rne(119.65 - s * m)`` in FP32. Anchoring the code grid to an integer lets one FFMA with the 2^23 magic
-    both scale and round; the reference point moves by less than half a code from ``m``, so the row's top
-    score encodes to 119 or 120 and never saturates.
+    ``rne(119.65 - s * m)`` in FP32. Anchoring the code grid to an integer lets one FFMA scale and the FP16
+    conversion round each code (``anchored_encode``); the reference point moves by less than half a code from
+    ``m``, so the row's top score encodes to 119 or 120 and never saturates.
     """
     bias = torch.tensor(EXPCAST_BIAS, dtype=torch.float32)
     return torch.round(bias - (s * m))

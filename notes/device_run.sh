@@ -6,6 +6,7 @@
 #   ncu    Nsight Compute on one forward-kernel launch at 32,760 x 12 (notes/kernel_once.py)
 #   pipeline  examples/bench_pipeline.py ${PIPELINE_ARGS}
 #   ulysses   torchrun examples/bench_ulysses.py on every GPU of the machine ${ULYSSES_ARGS}
+#   probe  notes/${PROBE} (default probe_variants.py), a same-process comparison of kernel variants
 # libs-cu13 is over one call's carry limit, so a cold machine takes two calls: the first carries .whl/a (exit 3:
 # "stashed"), the second .whl/b; a warm machine with /tmp/site installed needs neither.
 set -u
@@ -45,6 +46,8 @@ for stage in ${STAGES:-prep tests bench}; do
       timeout -k 10 ${ULYSSES_TIMEOUT:-300} torchrun --standalone --nproc-per-node $(nvidia-smi -L | wc -l) \
         examples/bench_ulysses.py ${ULYSSES_ARGS:-} --json $OUT/bench_ulysses.json 2>&1 | tee $OUT/bench_ulysses.log \
         | tail -n 40 ;;
+    probe)
+      timeout -k 5 ${PROBE_TIMEOUT:-200} python3 notes/${PROBE:-probe_variants.py} 2>&1 | tee $OUT/probe.log | tail -n 40 ;;
     bench)
       timeout -k 5 ${BENCH_TIMEOUT:-280} python3 examples/bench_attention.py ${BENCH_ARGS:-} --json $OUT/bench.json 2>&1 \
         | tee $OUT/bench.log ;;

@@ -4,8 +4,9 @@ Each variant compiles the forward kernel with some ``softmax`` functions replace
 then garbage; the tensor cores run at the same speed on any bytes) and times it on prepared inputs, kernel only:
 
   default         the kernel as shipped
-  no encode       encode skipped (no FFMA + clip per score: 128 of ~400 instructions per warp and tile)
-  no max/encode   online_codes skipped (no row max, anchor or codes; alpha = 1): about 155 instructions left
+  no encode       encode skipped (no FFMA per score; the FP16 packing then packs the raw scores)
+  no rescale      the accumulators never rescaled (alpha taken as 1; the promotion still runs)
+  no max/encode   online_codes skipped (no row max, anchor or codes; alpha = 1)
 
 Leaving out the packing or the accumulation as well lets the compiler drop the wgmmas whose results then go
 unused, so those variants would time nothing real.
@@ -36,9 +37,17 @@ def _skip_encode(scores, anchor, coef):
     pass
 
 
+@cute.jit
+def _promote_only(acc_o, acc_pv, alpha, promote: cutlass.Boolean):
+    if promote:
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = acc_o[i] + acc_pv[i]
+
+
 VARIANTS = {
     "default": {},
     "no encode": {"encode": _skip_encode},
+    "no rescale": {"accumulate": _promote_only},
     "no max/encode": {"online_codes": _alpha_one},
 }
 

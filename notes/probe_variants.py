@@ -6,10 +6,10 @@ from triton.testing import do_bench
 from openvc_kernels.ops import attention_prepared, prepare
 
 VARIANTS = {
-    "default": dict(),
+    "default (ping-pong)": dict(),
     "promote every tile": dict(promote_every=1),
     "promote every 4": dict(promote_every=4),
-    "ping-pong": dict(pingpong=True),
+    "no ping-pong": dict(pingpong=False),
 }
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from openvc_kernels import expcast_decode, expcast_encode
-from openvc_kernels.expcast import MAX_CODE, anchored_encode, code_anchor
+from openvc_kernels.expcast import CODE_UNIT, MAX_CODE, anchored_encode, code_anchor
 
 
 def exp_then_cast(z: torch.Tensor) -> torch.Tensor:
@@ -40,3 +40,23 @@ def test_anchored_code_of_the_row_max_is_119_or_120(fresh_seed):
 def test_anchored_encode_clips_masked_scores_to_zero():
     codes = anchored_encode(torch.tensor([-float("inf"), -1e9]), torch.tensor(1.0), torch.tensor(100.0))
     assert codes.tolist() == [0, 0]
+
+
+def test_anchored_encode_is_the_fp16_word_of_the_ffma(fresh_seed):
+    """The kernel's code is the FP16 word of ``fp32(raw * coef' + anchor')`` (units of 2^-24), clipped at 0."""
+    raw = torch.randn(200_000) * 1e4
+    coef = torch.rand(200_000) * 1e-3
+    anchor = torch.round(torch.rand(200_000) * 120 - raw * coef)
+    unit = torch.tensor(CODE_UNIT)
+    ffma = torch.addcmul((anchor * unit).double(), raw.double(), (coef * unit).double()).float()
+    words = ffma.half().view(torch.int16).int()
+    expected = torch.where(ffma > 0, words, 0).clamp(max=MAX_CODE)
+    codes = anchored_encode(raw, coef, anchor)
+    assert torch.equal(codes.int(), expected), f"seed {fresh_seed}"
+    assert 0 < (codes == 0).sum() < codes.numel() and (codes > 100).any()
+
+
+def test_anchored_encode_rounds_twice():
+    """raw * coef + anchor = 100.5 + 2^-23 + 2^-47: FP32 keeps 100.5, whose RNE is 100 (one rounding: 101)."""
+    raw, coef = torch.tensor(1 + 2.0**-23), torch.tensor(0.5 + 2.0**-24)
+    assert anchored_encode(raw, coef, torch.tensor(100.0)).item() == 100

@@ -4,8 +4,8 @@ Roles: warpgroup 0 is the producer (its warp 0 issues every TMA load, K(i + 1) a
 warpgroups 1 and 2 are consumers, 64 query rows each, sharing the query tile's Q descale. Per key
 tile i a consumer issues QK^T(i) and PV(i - 1) back to back, then runs the ExpCast softmax of tile i.
 Registers per consumer thread: S 64, PV 68, O 68, P 16; with so little room ptxas retires PV(i - 1)
-before the softmax, so the two consumer warpgroups overlap each other (one's softmax under the
-other's wgmmas) rather than each overlapping itself.
+before the softmax, so the two consumer warpgroups overlap each other (ping-pong: they take turns
+issuing their wgmmas, one's softmax under the other's matrix products) rather than each overlapping itself.
 
 Shared memory (FP8 bytes, 128B-swizzled, K-major rows of 128 bytes):
   sQ  (128 query rows, 128 channels)
@@ -92,7 +92,7 @@ class ExpCastAttentionSm90:
     """Compile-time configuration: the visiting order (mid-window or plain) and the KV pipeline depth."""
 
     def __init__(
-        self, plain_order: bool = False, kv_stages: int = KV_STAGES, pingpong: bool = False, promote_every: int = 2
+        self, plain_order: bool = False, kv_stages: int = KV_STAGES, pingpong: bool = True, promote_every: int = 2
     ):
         self.plain_order = plain_order
         self.kv_stages = kv_stages
@@ -100,7 +100,8 @@ class ExpCastAttentionSm90:
         # tiles in it drops small products. Every promote_every tiles its sum moves into FP32 registers.
         self.promote_every = promote_every
         # Ping-pong: the two consumer warpgroups take turns issuing their wgmmas, so one's softmax
-        # runs while the other's matrix products occupy the tensor cores.
+        # runs while the other's matrix products occupy the tensor cores. It pays once the codes are
+        # packed by FP16 conversion (+6%, notes/kernel.md); with the clip-and-PRMT packing it did not.
         self.pingpong = pingpong
 
     @cute.jit

@@ -7,7 +7,10 @@ two rows, 8 apart) and column ``2 (lane % 4) + e + 8 c``. ``rows_view`` re-index
 
 Per key tile and row, with ``s`` codes per raw score unit and ``d_k`` the tile's K descale:
 ``m = max(m, rowmax(raw) * d_k)``, ``anchor = rne(119.65 - s * m)``,
-``y = max(fma(raw, s * d_k, anchor + 2^23), 2^23)``: the low byte of y is the code (0..120).
+``y = fma(raw, s * d_k * 2^-24, anchor * 2^-24)`` is the code in units of FP16's smallest subnormal;
+``cvt.rn.relu.f16x2.f32`` rounds two such values to integers on the subnormal grid and clips them at 0, leaving
+each code (0..120) in the low byte of a 16-bit half; one PRMT gathers four of those bytes into a PV A word.
+Per score: one FFMA, half a conversion, a quarter PRMT (the clip costs nothing).
 """
 
 import cutlass
@@ -16,7 +19,7 @@ from cutlass import Float32, Int32, Uint32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ..expcast import EXPCAST_BIAS, MAX_CODE, ROUND_MAGIC
+from ..expcast import CODE_UNIT, EXPCAST_BIAS, MAX_CODE
 
 LOG2_PER_CODE = 0.125
 """One code step is 1/8 octave: moving the anchor by k codes scales probabilities by 2^(k/8)."""
@@ -58,9 +61,25 @@ def byte_perm(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint
     )
 
 
-# prmt selectors: low bytes of two words side by side; then two such halves into one word.
-LOW_BYTES = 0x0040
-HALVES = 0x5410
+@dsl_user_op
+def pack_codes_f16(high: Float32, low: Float32, *, loc=None, ip=None) -> Uint32:
+    """``cvt.rn.relu.f16x2.f32``: ``low`` and ``high`` (codes in units of 2^-24) rounded to FP16 and clipped at 0;
+    the half from ``low`` is bytes 0-1 of the word, the one from ``high`` bytes 2-3."""
+    return Uint32(
+        llvm.inline_asm(
+            T.i32(),
+            [Float32(high).ir_value(loc=loc, ip=ip), Float32(low).ir_value(loc=loc, ip=ip)],
+            "cvt.rn.relu.f16x2.f32 $0, $1, $2;",
+            "=r,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+HALF_LOW_BYTES = 0x6420
+"""prmt selector: bytes 0 and 2 of each word (the low bytes of its two FP16 halves), the first word's first."""
 
 
 def rows_view(acc: cute.Tensor) -> cute.Tensor:
@@ -133,16 +152,17 @@ def update_max(
 
 @cute.jit
 def encode(scores: cute.Tensor, anchor: cute.Tensor, coef: Float32):
-    """In place: each raw score becomes ``max(fma(raw, coef, anchor + 2^23), 2^23)``, code in the low byte.
+    """In place: each raw score becomes ``fma(raw, coef * 2^-24, anchor * 2^-24)``, its code times 2^-24.
 
-    ``anchor`` is an integer, so ``anchor + 2^23`` is exact and the FMA's single rounding is the RNE of
-    the code; the max clips negative codes (and -inf) to 0. The top score lands on 119 or 120.
+    Both scalings are exact (powers of two), so the FFMA's result is the FP32 rounding of the code;
+    ``pack_codes`` rounds it to an integer and clips it at 0. The top score lands on 119 or 120.
     """
-    magic = Float32(ROUND_MAGIC)
+    unit = Float32(CODE_UNIT)
+    coef = coef * unit
     for r in cutlass.range_constexpr(2):
-        bias = anchor[r] + magic
+        bias = anchor[r] * unit
         for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-            scores[r, i] = cute.arch.fmax(cute.math.fma(scores[r, i], coef, bias), magic)
+            scores[r, i] = cute.math.fma(scores[r, i], coef, bias)
 
 
 @cute.jit
@@ -155,34 +175,33 @@ def encode_per_key(
     the zero keys padding the last repair tile score 0, which a row whose scores are all negative encodes above
     MAX_CODE (127 would be E4M3's NaN, and NaN times their zero values is NaN): codes are clamped to MAX_CODE.
     """
-    magic, top = Float32(ROUND_MAGIC), Float32(ROUND_MAGIC + MAX_CODE)
+    unit = Float32(CODE_UNIT)
+    top = Float32(MAX_CODE * CODE_UNIT)
+    biases = [anchor[r] * unit for r in range(2)]
     for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-        coef = mul_rn(s, d_k[first + key_coords[0, i][1]])
+        coef = mul_rn(s, d_k[first + key_coords[0, i][1]]) * unit
         for r in cutlass.range_constexpr(2):
-            code = cute.arch.fmax(cute.math.fma(scores[r, i], coef, anchor[r] + magic), magic)
-            scores[r, i] = cute.arch.fmin(code, top)
+            scores[r, i] = cute.arch.fmin(cute.math.fma(scores[r, i], coef, biases[r]), top)
 
 
 @cute.jit
 def pack_codes(codes: cute.Tensor, frag_p: cute.Tensor):
-    """Low bytes of the encoded accumulator -> E4M3 A fragment of the PV wgmma (see layout.py).
+    """Encoded accumulator -> E4M3 A fragment of the PV wgmma (see layout.py).
 
     ``frag_p`` is ``((4, 2, 2), 1, K/32)``: 16 bytes per 32-key k-block, word ``r + 2 h`` holding row r,
     k positions ``4 lane + 16 h + 0..3``. Those take accumulator columns ``2 lane + e + 8 c`` of the
-    k-block's 4 column groups, c = 2h (bytes 0, 1) and 2h + 1 (bytes 2, 3).
+    k-block's 4 column groups, c = 2h (bytes 0, 1) and 2h + 1 (bytes 2, 3): one conversion per column group
+    (e = 0 low half, e = 1 high half), one PRMT per word.
     """
-    words = cute.recast_tensor(codes, Uint32)
     p_words = cute.recast_tensor(frag_p, Uint32)
     k_blocks = cute.size(frag_p, mode=[2])
     for kb in cutlass.range_constexpr(k_blocks):
         for h in cutlass.range_constexpr(2):
             for r in cutlass.range_constexpr(2):
                 c = 4 * kb + 2 * h
-                first = byte_perm(words[2 * r + 4 * c], words[1 + 2 * r + 4 * c], LOW_BYTES)
-                second = byte_perm(
-                    words[2 * r + 4 * (c + 1)], words[1 + 2 * r + 4 * (c + 1)], LOW_BYTES
-                )
-                p_words[r + 2 * h + 4 * kb] = byte_perm(first, second, HALVES)
+                first = pack_codes_f16(codes[1 + 2 * r + 4 * c], codes[2 * r + 4 * c])
+                second = pack_codes_f16(codes[1 + 2 * r + 4 * (c + 1)], codes[2 * r + 4 * (c + 1)])
+                p_words[r + 2 * h + 4 * kb] = byte_perm(first, second, HALF_LOW_BYTES)
 
 
 @cute.jit

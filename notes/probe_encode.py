@@ -1,0 +1,179 @@
+"""Device probe: how ExpCast's codes are packed, ping-pong, and where d_k comes from (kernel only, same process).
+
+  shipped                  FFMA -> code * 2^-24; cvt.rn.relu.f16x2.f32 rounds, clips and packs two codes; one
+                           PRMT per four (per warp and key tile: 64 FFMA + 32 F2FP + 16 PRMT); ping-pong on
+  clip + 3 PRMT            session 3's packing: FFMA with the 2^23 magic, FMNMX clip, 3 PRMT per four codes
+                           (64 FFMA + 64 FMNMX + 48 PRMT), with and without ping-pong
+  no ping-pong             the shipped packing, consumer warpgroups not taking turns
+  convert before PV wait   the FP16 conversions inside encode (before PV(i - 1) retires), only PRMTs after it
+
+Prints each variant's output difference from the shipped kernel and the time of two rounds.
+Run on a Hopper GPU: ``python notes/probe_encode.py``; ``--sass DIR`` compiles every variant for sm_90a and
+dumps its SASS (no GPU needed).
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from openvc_kernels.expcast import CODE_UNIT
+from openvc_kernels.ops import compile_attention
+from openvc_kernels.sm90 import softmax
+
+ROUND_MAGIC = float(2**23)
+"""Session 3's encode: added to a code in [0, 2^23), the FP32 rounding is the RNE to an integer in the low bits."""
+LOW_BYTES, HALVES = 0x0040, 0x5410
+"""Session 3's prmt selectors: low bytes of two words side by side; two such halves into one word."""
+
+SHAPES = ((32_760, 12), (75_600, 40))
+TAU = 128**-0.5
+
+
+@cute.jit
+def encode_magic(scores: cute.Tensor, anchor: cute.Tensor, coef: Float32):
+    magic = Float32(ROUND_MAGIC)
+    for r in cutlass.range_constexpr(2):
+        bias = anchor[r] + magic
+        for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+            scores[r, i] = cute.arch.fmax(cute.math.fma(scores[r, i], coef, bias), magic)
+
+
+@cute.jit
+def pack_codes_magic(codes: cute.Tensor, frag_p: cute.Tensor):
+    words = cute.recast_tensor(codes, Uint32)
+    p_words = cute.recast_tensor(frag_p, Uint32)
+    for kb in cutlass.range_constexpr(cute.size(frag_p, mode=[2])):
+        for h in cutlass.range_constexpr(2):
+            for r in cutlass.range_constexpr(2):
+                c = 4 * kb + 2 * h
+                first = softmax.byte_perm(words[2 * r + 4 * c], words[1 + 2 * r + 4 * c], LOW_BYTES)
+                second = softmax.byte_perm(words[2 * r + 4 * (c + 1)], words[1 + 2 * r + 4 * (c + 1)], LOW_BYTES)
+                p_words[r + 2 * h + 4 * kb] = softmax.byte_perm(first, second, HALVES)
+
+
+@dsl_user_op
+def pack_f16_relu_in_f32(high: Float32, low: Float32, *, loc=None, ip=None) -> Float32:
+    """``softmax.pack_codes_f16`` whose word stays in an FP32 register (the score's), for packing later."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(high).ir_value(loc=loc, ip=ip), Float32(low).ir_value(loc=loc, ip=ip)],
+            "{ .reg .b32 w; cvt.rn.relu.f16x2.f32 w, $1, $2; mov.b32 $0, w; }",
+            "=f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@cute.jit
+def encode_and_convert(scores: cute.Tensor, anchor: cute.Tensor, coef: Float32):
+    """The FFMAs and the conversions before the PV wait: a pair's word replaces its first score (column 2c)."""
+    unit = Float32(CODE_UNIT)
+    coef = coef * unit
+    for r in cutlass.range_constexpr(2):
+        bias = anchor[r] * unit
+        for c in cutlass.range_constexpr(cute.size(scores, mode=[1]) // 2):
+            low = cute.math.fma(scores[r, 2 * c], coef, bias)
+            high = cute.math.fma(scores[r, 2 * c + 1], coef, bias)
+            scores[r, 2 * c] = pack_f16_relu_in_f32(high, low)
+
+
+@cute.jit
+def pack_converted(codes: cute.Tensor, frag_p: cute.Tensor):
+    words = cute.recast_tensor(codes, Uint32)
+    p_words = cute.recast_tensor(frag_p, Uint32)
+    for kb in cutlass.range_constexpr(cute.size(frag_p, mode=[2])):
+        for h in cutlass.range_constexpr(2):
+            for r in cutlass.range_constexpr(2):
+                c = 4 * kb + 2 * h
+                pair, next_pair = words[2 * r + 4 * c], words[2 * r + 4 * (c + 1)]
+                p_words[r + 2 * h + 4 * kb] = softmax.byte_perm(pair, next_pair, softmax.HALF_LOW_BYTES)
+
+
+MAGIC = {"encode": encode_magic, "pack_codes": pack_codes_magic}
+CONVERT_EARLY = {"encode": encode_and_convert, "pack_codes": pack_converted}
+NO_PP = {"pingpong": False}
+VARIANTS = {
+    "shipped": ({}, {}),
+    "clip + 3 PRMT": (MAGIC, NO_PP),
+    "clip + 3 PRMT, ping-pong": (MAGIC, {}),
+    "no ping-pong": ({}, NO_PP),
+    "convert before PV wait": (CONVERT_EARLY, {}),
+}
+
+
+def compile_variant(replacements: dict, config: dict):
+    originals = {name: getattr(softmax, name) for name in replacements}
+    for name, fn in replacements.items():
+        setattr(softmax, name, fn)
+    try:
+        return compile_attention(False, **config)
+    finally:
+        for name, fn in originals.items():
+            setattr(softmax, name, fn)
+
+
+def dump_sass(folder: str) -> None:
+    """One subprocess per variant: the DSL reads its dump settings at import."""
+    for name in VARIANTS:
+        dump = os.path.join(folder, name.replace(" ", "_").replace(",", ""))
+        os.makedirs(dump, exist_ok=True)
+        env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="sass", CUTE_DSL_DUMP_DIR=dump)
+        script = f"import probe_encode as p; p.compile_variant(*p.VARIANTS[{name!r}])"
+        subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=os.path.dirname(__file__))
+
+
+def main():
+    import torch
+    from triton.testing import do_bench
+
+    from openvc_kernels.expcast import CODES_PER_NAT
+    from openvc_kernels.ops import prepare
+
+    print(torch.cuda.get_device_name(), flush=True)
+    kernels = {name: compile_variant(*variant) for name, variant in VARIANTS.items()}
+    codes_per_score = float(torch.tensor(TAU * CODES_PER_NAT, dtype=torch.float32))
+    for seq, heads in SHAPES:
+        flop = 4 * seq * seq * heads * 128
+        sets = []
+        for _ in range(2):
+            q, k, v = (torch.randn(1, seq, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            p = prepare(q, k, v)
+            out = torch.full_like(q, float("nan"))
+            sets.append((p.q8, p.k8, p.v_packed, p.d_q, p.d_k, p.d_v, p.d_v[..., None], out, codes_per_score,
+                         p.seqlen_k, 4, 0))
+        outs = {}
+        for name, kernel in kernels.items():
+            sets[0][7].fill_(float("nan"))
+            kernel(*sets[0])
+            outs[name] = sets[0][7].float().clone()
+        ref = outs["shipped"]
+        for name, o in outs.items():
+            rel = ((o - ref).norm() / ref.norm()).item()
+            print(f"{seq}x{heads} {name:>24}: finite {bool(o.isfinite().all())}, rel-L2 vs shipped {rel:.2e}, "
+                  f"equal {(o == ref).float().mean().item():.6f}", flush=True)
+        for rnd in range(2):
+            for name, kernel in kernels.items():
+                turn = iter(range(10**9))
+                call = lambda kernel=kernel, sets=sets, turn=turn: kernel(*sets[next(turn) % 2])  # noqa: E731
+                ms = do_bench(call, warmup=100, rep=600, return_mode="median")
+                print(f"{seq}x{heads} round {rnd} {name:>24}: {ms:8.2f} ms {flop / ms / 1e9:7.0f} TFLOP/s",
+                      flush=True)
+        del sets, outs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sass", metavar="DIR", help="compile every variant for sm_90a and dump SASS into DIR")
+    args = parser.parse_args()
+    dump_sass(args.sass) if args.sass else main()
