@@ -29,6 +29,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from ..quant import BLOCK
+from ..wgmma import PV_PROMOTE_EVERY
 from . import softmax
 from .layout import HEAD_DIM, PV_N
 
@@ -92,7 +93,8 @@ class ExpCastAttentionSm90:
     """Compile-time configuration: the visiting order (mid-window or plain) and the KV pipeline depth."""
 
     def __init__(
-        self, plain_order: bool = False, kv_stages: int = KV_STAGES, pingpong: bool = True, promote_every: int = 2
+        self, plain_order: bool = False, kv_stages: int = KV_STAGES, pingpong: bool = True,
+        promote_every: int = PV_PROMOTE_EVERY,
     ):
         self.plain_order = plain_order
         self.kv_stages = kv_stages
