@@ -56,6 +56,16 @@ def codes_per_score(softmax_scale: float, d_q: torch.Tensor) -> torch.Tensor:
     return torch.tensor(softmax_scale * CODES_PER_NAT, dtype=torch.float32) * d_q
 
 
+def _promote(acc: torch.Tensor, l: torch.Tensor, pv: torch.Tensor, pending: torch.Tensor):
+    """The kernel's promotion of the PV wgmma's sum (numerator, and the denominator in its last column) into the
+    FP32 sums: ``fma(sum, pending, pv)`` with one rounding (emulated in float64), which applies the anchor moves
+    since the last promotion. Returns the new sums and a reset ``pending``."""
+    dim = acc.shape[-1]
+    acc = (acc.double() * pending[..., None].double() + pv[..., :dim].double()).float()
+    l = (l.double() * pending.double() + pv[..., dim].double()).float()
+    return acc, l, torch.ones_like(pending)
+
+
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -111,6 +121,7 @@ def reference_attention(
         ones = key_valid.float().view(1, 1, n_k, BLOCK, 1).expand(batch, heads, -1, -1, -1)
         v_cols = torch.cat([v_tiles, ones], dim=-1).transpose(-1, -2)  # (B, H, n_k, dim + 1, 128 keys)
         pv = None  # the PV wgmma's running sum over the tiles since the last promotion: (..., dim + 1)
+        pending = torch.ones_like(l)  # the anchor moves since the last promotion, not yet applied to acc and l
     for step in range(n_k):
         tile = order[:, step]
         d_k_tile = d_k[:, :, tile]  # (B, H, n_q)
@@ -120,14 +131,15 @@ def reference_attention(
         new_anchor = code_anchor(m, s)
         if anchor is not None:
             alpha = torch.exp2((new_anchor - anchor) * 0.125)
-            acc *= alpha[..., None]
-            l *= alpha
             if like_wgmma:
                 pv *= alpha[..., None]
+                pending *= alpha
                 if step % PV_PROMOTE_EVERY == 0:
-                    acc += pv[..., :dim]
-                    l += pv[..., dim]
+                    acc, l, pending = _promote(acc, l, pv, pending)
                     pv = None
+            else:
+                acc *= alpha[..., None]
+                l *= alpha
         anchor = new_anchor
         codes = anchored_encode(raw, (s * d_k_tile[..., None])[..., None], anchor[..., None])
         p = expcast_decode(codes)
@@ -153,8 +165,7 @@ def reference_attention(
             d_k_r = torch.nn.functional.pad(d_k_repair, pad[2:]).view(batch, heads, n_r, BLOCK)
             for j in range(n_r):
                 if (n_k + j) % PV_PROMOTE_EVERY == 0:
-                    acc += pv[..., :dim]
-                    l += pv[..., dim]
+                    acc, l, pending = _promote(acc, l, pv, pending)
                     pv = None
                 raw = dot(q_tiles, k_tiles_r[:, :, j, None].expand(-1, -1, n_q, -1, -1))
                 codes = anchored_encode(raw, s[..., None] * d_k_r[:, :, j, None, None, :], anchor[..., None])
@@ -165,8 +176,7 @@ def reference_attention(
             codes = anchored_encode(raw, coef, anchor[..., None])
             acc += expcast_decode(codes) @ v_repair[:, :, None]  # numerator only: l keeps the real keys' sum
     if like_wgmma:
-        acc += pv[..., :dim]
-        l += pv[..., dim]
+        acc, l, _ = _promote(acc, l, pv, pending)
 
     out = acc * (d_v[..., None, None] / l)[..., None]
     out = out.view(batch, heads, n_q * BLOCK, dim)[:, :, :s_q]

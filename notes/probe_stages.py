@@ -38,7 +38,7 @@ def _skip_encode(scores, anchor, coef):
 
 
 @cute.jit
-def _promote_only(acc_o, acc_pv, alpha, promote: cutlass.Boolean):
+def _promote_only(acc_o, acc_pv, alpha, pending, promote: cutlass.Boolean):
     if promote:
         for i in cutlass.range_constexpr(cute.size(acc_o)):
             acc_o[i] = acc_o[i] + acc_pv[i]

@@ -360,6 +360,8 @@ class ExpCastAttentionSm90:
         m = cute.make_rmem_tensor((2,), Float32)
         anchor = cute.make_rmem_tensor((2,), Float32)
         alpha = cute.make_rmem_tensor((2,), Float32)
+        pending = cute.make_rmem_tensor((2,), Float32)  # O's rescale since the last promotion, per row
+        pending.fill(1.0)
         s = softmax.mul_rn(codes_per_score, d_q[m_block])
         last_tile = n_k - 1
         last_valid = seqlen_k - last_tile * TILE_N
@@ -383,7 +385,7 @@ class ExpCastAttentionSm90:
             if wg == 0:
                 cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=2 * WG_THREADS)
         mmas = (tiled_mma_qk, tiled_mma_pv, frag_q, frag_k, frag_v, frag_p, acc_s, acc_pv)
-        sums = (scores, key_coords, m, anchor, alpha, acc_o)
+        sums = (scores, key_coords, m, anchor, alpha, pending, acc_o)
         keys = (start, n_k, last_tile, last_valid, s, d_k, d_k_repair, wg)
         for i in cutlass.range(1, n_k, unroll=1):
             state = self.step(i, state, False, mmas, sums, (pipeline_k, pipeline_v), keys)
@@ -396,7 +398,7 @@ class ExpCastAttentionSm90:
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(state)
         alpha.fill(1.0)
-        softmax.accumulate(acc_o, acc_pv, alpha, True)
+        softmax.accumulate(acc_o, acc_pv, alpha, pending, True)
 
         self.store(acc_o, thr_pv, d_v, out, m_block)
 
@@ -408,7 +410,7 @@ class ExpCastAttentionSm90:
         with its own K descale (the repair keys come from any block).
         """
         tiled_mma_qk, tiled_mma_pv, frag_q, frag_k, frag_v, frag_p, acc_s, acc_pv = mmas
-        scores, key_coords, m, anchor, alpha, acc_o = sums
+        scores, key_coords, m, anchor, alpha, pending, acc_o = sums
         pipeline_k, pipeline_v = pipes
         start, n_k, last_tile, last_valid, s, d_k, d_k_repair, wg = keys
         prev = state.clone()
@@ -435,7 +437,7 @@ class ExpCastAttentionSm90:
         # frag_p and acc_pv belong to the PV wgmma until it retires.
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(prev)
-        softmax.accumulate(acc_o, acc_pv, alpha, i % self.promote_every == 0)
+        softmax.accumulate(acc_o, acc_pv, alpha, pending, i % self.promote_every == 0)
         softmax.pack_codes(acc_s, frag_p)
         return state
 
