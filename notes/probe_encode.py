@@ -20,7 +20,6 @@ import sys
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Uint32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from openvc_kernels.expcast import CODE_UNIT
@@ -61,17 +60,9 @@ def pack_codes_magic(codes: cute.Tensor, frag_p: cute.Tensor):
 @dsl_user_op
 def pack_f16_relu_in_f32(high: Float32, low: Float32, *, loc=None, ip=None) -> Float32:
     """``softmax.pack_codes_f16`` whose word stays in an FP32 register (the score's), for packing later."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(high).ir_value(loc=loc, ip=ip), Float32(low).ir_value(loc=loc, ip=ip)],
-            "{ .reg .b32 w; cvt.rn.relu.f16x2.f32 w, $1, $2; mov.b32 $0, w; }",
-            "=f,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    operands = [Float32(high).ir_value(loc=loc, ip=ip), Float32(low).ir_value(loc=loc, ip=ip)]
+    instruction = "{ .reg .b32 w; cvt.rn.relu.f16x2.f32 w, $1, $2; mov.b32 $0, w; }"
+    return Float32(softmax.ptx(T.f32(), operands, instruction, "=f,f,f"))
 
 
 @cute.jit
