@@ -3,11 +3,15 @@
     python examples/bench_attention.py                       # the four video shapes, JSON to bench_attention.json
     python examples/bench_attention.py --shapes 32760x12 --json out.json
     python examples/bench_attention.py --repair                # V residual repair and K smoothing sweep
+    python examples/bench_attention.py --inputs outputs/qkv.safetensors   # real activations (examples/capture.py)
 
 Per shape (batch 1, head dim 128, N(0, 1) bf16 inputs, two input sets rotated), in a random order: the Open-VC
 kernel on prepared inputs, the preparation alone, the complete Open-VC call, FlashAttention-4 BF16 and torch
 SDPA on cuDNN BF16. Median of CUDA-event-timed calls enqueued back to back; TFLOP/s = 4 S^2 H 128 / time.
 Accuracy: rel-L2 of Open-VC against FA4 and, on sampled query rows, against float64 attention.
+
+--inputs FILE times the same methods on the Q, K, V that examples/capture.py saved (one row per captured layer
+and step, its own tensors every call; float32 captures are cast to bf16; TFLOP/s = 4 B Sq Sk H D / time).
 
 --repair instead sweeps V residual repair (rho in REPAIR_RATIOS ranked by residual energy, and rho = 0.005 with the
 "attention" ranking) with and without K smoothing at (73397, 7) and (75600, 40) on three kinds of inputs:
@@ -20,6 +24,7 @@ each method's timed calls (the clocks it ran at: the H200 holds its power cap by
 import argparse
 import json
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -47,8 +52,14 @@ def clocks() -> str:
     return subprocess.run(query, capture_output=True, text=True).stdout.strip()
 
 
-def tflops(seq: int, heads: int, ms: float) -> float:
-    return 4 * seq * seq * heads * HEAD_DIM / (ms * 1e-3) / 1e12
+def tflops(flop: float, ms: float) -> float:
+    return flop / (ms * 1e-3) / 1e12
+
+
+def attention_flop(q: torch.Tensor, k: torch.Tensor) -> float:
+    """4 B Sq Sk H D: the two matrix products of (B, S, H, D) attention."""
+    batch, s_q, heads, dim = q.shape
+    return 4.0 * batch * s_q * k.shape[1] * heads * dim
 
 
 def time_ms(fn, sets, budget_ms: float = TIMED_MS) -> float:
@@ -78,11 +89,11 @@ def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def sampled_exact(q, k, v, rows: torch.Tensor) -> torch.Tensor:
-    """Float64 attention for the query rows ``rows``, one head at a time: (1, len(rows), H, D)."""
+    """Float64 attention of batch item 0 for the query rows ``rows``, one head at a time: (1, len(rows), H, D)."""
     out = []
     for h in range(q.shape[2]):
         qh, kh, vh = q[0, rows, h].double(), k[0, :, h].double(), v[0, :, h].double()
-        p = torch.softmax(qh @ kh.T * HEAD_DIM**-0.5, dim=-1)
+        p = torch.softmax(qh @ kh.T * q.shape[-1] ** -0.5, dim=-1)
         out.append(p @ vh)
     return torch.stack(out, dim=1)[None]
 
@@ -104,41 +115,94 @@ def bench_shape(seq: int, heads: int) -> dict:
         [torch.randn(1, seq, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
         for _ in range(INPUT_SETS)
     ]
-    prepared = [[prepare(*s)] for s in sets]
-    out = torch.empty_like(sets[0][0])
+    return bench_sets(sets, {"seq": seq, "heads": heads, "label": f"{seq}x{heads}"})
+
+
+def bench_sets(sets: list[list[torch.Tensor]], row: dict) -> dict:
+    """Every method on ``sets`` (rotated; each a (q, k, v) of one shape) in random order, then the accuracy
+    of Open-VC on the first set; the numbers are added to ``row``."""
+    q, k, v = sets[0]
+    flop = attention_flop(q, k)
+    out = torch.empty_like(q)
+    # Each method with a function making its argument sets: the kernel alone takes prepared inputs, made (and
+    # refused, for inputs the Hopper kernel cannot take) inside the method's own try.
     methods = {
-        "openvc_kernel": (lambda p: attention_prepared(p, out, softmax_scale=HEAD_DIM**-0.5), prepared),
-        "openvc_prepare": (prepare, sets),
-        "openvc_call": (attention, sets),
-        "fa4_bf16": (run_fa4, sets),
-        "cudnn_bf16": (run_cudnn, sets),
+        "openvc_kernel": (
+            lambda p: attention_prepared(p, out, softmax_scale=q.shape[-1] ** -0.5),
+            lambda: [[prepare(*s)] for s in sets],
+        ),
+        "openvc_prepare": (prepare, lambda: sets),
+        "openvc_call": (attention, lambda: sets),
+        "fa4_bf16": (run_fa4, lambda: sets),
+        "cudnn_bf16": (run_cudnn, lambda: sets),
     }
     order = list(methods)
     random.shuffle(order)
-    row = {"seq": seq, "heads": heads, "order": order, "ms": {}, "tflops": {}}
+    row.update(order=order, ms={}, tflops={})
     for name in order:
-        fn, args = methods[name]
+        fn, make_args = methods[name]
         try:
-            row["ms"][name] = time_ms(fn, args)
+            row["ms"][name] = time_ms(fn, make_args())
             row.setdefault("clocks_after", {})[name] = clocks()  # read as the timed calls end: the load's clocks
-        except Exception as e:  # a missing backend (FA4 not installed) must not lose the other numbers
+        except Exception as e:  # a missing backend (FA4 not installed), inputs one cannot take: keep the rest
             row["ms"][name] = float("nan")
             row.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
-        row["tflops"][name] = tflops(seq, heads, row["ms"][name])
+        row["tflops"][name] = tflops(flop, row["ms"][name])
         at = row.get("clocks_after", {}).get(name, "")
         log(f"  {name:15s} {row['ms'][name]:9.3f} ms  {row['tflops'][name]:6.0f} TFLOP/s  (then: {at})")
 
-    q, k, v = sets[0]
-    ours = attention(q, k, v)
-    rows = torch.randint(0, seq, (SAMPLED_ROWS,), device="cuda")
-    row["rel_l2_vs_float64"] = rel_l2(ours[:, rows], sampled_exact(q, k, v, rows))
-    if "errors" not in row or "fa4_bf16" not in row["errors"]:
-        fa4 = run_fa4(q, k, v)
+    rows = torch.randint(0, q.shape[1], (SAMPLED_ROWS,), device=q.device)
+    exact = sampled_exact(q, k, v, rows)
+    failed = row.get("errors", {})
+    ours = None if "openvc_call" in failed else attention(q, k, v)
+    fa4 = None if "fa4_bf16" in failed else run_fa4(q, k, v)
+    if ours is not None:
+        row["rel_l2_vs_float64"] = rel_l2(ours[:1, rows], exact)
+    if fa4 is not None:
+        row["fa4_rel_l2_vs_float64"] = rel_l2(fa4[:1, rows], exact)
+    if ours is not None and fa4 is not None:
         row["rel_l2_vs_fa4"] = rel_l2(ours, fa4)
-        row["fa4_rel_l2_vs_float64"] = rel_l2(fa4[:, rows], sampled_exact(q, k, v, rows))
     row["speedup_call_over_fa4"] = row["ms"]["fa4_bf16"] / row["ms"]["openvc_call"]
     row["prepare_share_of_call"] = row["ms"]["openvc_prepare"] / row["ms"]["openvc_call"]
     return row
+
+
+CAPTURE_FORMAT = "openvc-qkv/1"
+CAPTURED_NAME = re.compile(r"step(\d+)\.layer(\d+)\.([qkv])")
+
+
+def load_captured(path: str) -> list[tuple[str, list[torch.Tensor]]]:
+    """``(name, [q, k, v])`` per captured step and layer of an examples/capture.py file ("step0.layer15"), in
+    step-then-layer order, on the CPU as saved."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(path, "pt") as f:
+        found = (f.metadata() or {}).get("format")
+    if found != CAPTURE_FORMAT:
+        raise ValueError(f"{path} is not an examples/capture.py file: format {found!r}, expected {CAPTURE_FORMAT!r}")
+    entries = {}
+    for key, tensor in load_file(path).items():
+        match = CAPTURED_NAME.fullmatch(key)
+        if match is None:
+            raise ValueError(f"{path}: unexpected tensor {key!r} (expected names like 'step0.layer15.q')")
+        entries.setdefault((int(match[1]), int(match[2])), {})[match[3]] = tensor
+    for (step, layer), qkv in entries.items():
+        if sorted(qkv) != ["k", "q", "v"]:
+            raise ValueError(f"{path}: step{step}.layer{layer} has {sorted(qkv)}, expected q, k and v")
+    return [(f"step{step}.layer{layer}", [qkv[x] for x in "qkv"]) for (step, layer), qkv in sorted(entries.items())]
+
+
+def bench_captured(path: str) -> list[dict]:
+    rows = []
+    for name, qkv in load_captured(path):
+        q, k, v = (x.to("cuda", torch.bfloat16 if x.dtype == torch.float32 else x.dtype) for x in qkv)
+        batch, s_q, heads, dim = q.shape
+        log(f"{name}: B={batch} Sq={s_q} Sk={k.shape[1]} H={heads} D={dim} {q.dtype}")
+        label = {"name": name, "batch": batch, "seq": s_q, "seq_k": k.shape[1], "heads": heads, "label": name}
+        rows.append(bench_sets([[q, k, v]], label))
+        torch.cuda.empty_cache()
+    return rows
 
 
 REPAIR_SHAPES = "73397x7,75600x40"
@@ -222,10 +286,10 @@ def table(rows: list[dict]) -> str:
             return f"{r['ms'][name]:6.2f} ms {r['tflops'][name]:4.0f}"
 
         lines.append(
-            f"{r['seq']:>6}x{r['heads']:<4} | {cell('openvc_kernel')} | {cell('openvc_call')} | "
+            f"{r['label']:>11} | {cell('openvc_kernel')} | {cell('openvc_call')} | "
             f"{ms['openvc_prepare']:7.2f} | {cell('fa4_bf16')} | {cell('cudnn_bf16')} | "
             f"{r['speedup_call_over_fa4']:5.2f} | {r.get('rel_l2_vs_fa4', float('nan')):9.4f} | "
-            f"{r['rel_l2_vs_float64']:9.4f}"
+            f"{r.get('rel_l2_vs_float64', float('nan')):9.4f}"
         )
     return "\n".join(lines)
 
@@ -236,16 +300,19 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--json", default="bench_attention.json", help="where to write the rows (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="order of the methods and the inputs")
     parser.add_argument("--repair", action="store_true", help="the V residual repair and K smoothing sweep")
+    parser.add_argument("--inputs", metavar="FILE", help="time on Q, K, V saved by examples/capture.py instead")
     args = parser.parse_args(argv)
+    if args.inputs and args.repair:
+        parser.error("--inputs and --repair do not combine: the repair sweep draws its own inputs")
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU (Hopper for Open-VC)")
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "clocks_before": clocks()}
     log(f"{meta['gpu']}, clocks (sm, mem, temp, power) before: {meta['clocks_before']}")
-    rows = []
-    shapes = REPAIR_SHAPES if args.repair and args.shapes == SHAPES else args.shapes
-    for shape in shapes.split(","):
+    rows = bench_captured(args.inputs) if args.inputs else []
+    shapes = "" if args.inputs else REPAIR_SHAPES if args.repair and args.shapes == SHAPES else args.shapes
+    for shape in filter(None, shapes.split(",")):
         seq, heads = map(int, shape.split("x"))
         log(f"S={seq} H={heads}")
         if args.repair:

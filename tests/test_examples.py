@@ -14,11 +14,12 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_wan
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_families import BUILDERS, build, forward
 from tqdm.auto import tqdm
 
 from openvc_diffusers import load_config
+from openvc_kernels import reference_attention
 from openvc_diffusers.pipelines import call_kwargs, install, load_pipeline, steps_kwargs
 
 pytestmark = [
@@ -188,6 +189,67 @@ def test_capture_round_trips_what_the_attention_call_sees(tmp_path, monkeypatch)
     assert torch.equal(tensors["step0.layer0.q"], q)
     assert torch.equal(tensors["step0.layer0.k"], k)
     assert torch.equal(tensors["step0.layer0.v"], v)
+
+
+def test_bench_attention_reads_captured_inputs(tmp_path):
+    path = tmp_path / "qkv.safetensors"
+    captured = load_example("capture").main(["--output", str(path), "--layers", "0,1", "--steps", "0"])
+    loaded = load_example("bench_attention").load_captured(str(path))
+    assert [name for name, _ in loaded] == ["step0.layer0", "step0.layer1"]
+    for name, qkv in loaded:
+        for x, tensor in zip("qkv", qkv):
+            assert torch.equal(tensor, captured[f"{name}.{x}"])
+
+
+def test_bench_attention_rejects_files_it_cannot_read(tmp_path):
+    bench = load_example("bench_attention")
+    qkv = {f"step0.layer0.{x}": torch.randn(1, 8, 2, 128) for x in "qkv"}
+    save_file(qkv, tmp_path / "other.safetensors")
+    with pytest.raises(ValueError, match="format None, expected 'openvc-qkv/1'"):
+        bench.load_captured(str(tmp_path / "other.safetensors"))
+    capture_format = {"format": "openvc-qkv/1"}
+    del qkv["step0.layer0.v"]
+    save_file(qkv, tmp_path / "partial.safetensors", metadata=capture_format)
+    with pytest.raises(ValueError, match=r"step0.layer0 has \['k', 'q'\], expected q, k and v"):
+        bench.load_captured(str(tmp_path / "partial.safetensors"))
+    with pytest.raises(SystemExit):
+        bench.main(["--inputs", str(tmp_path / "partial.safetensors"), "--repair"])
+
+
+def test_bench_attention_rows_with_stand_in_backends(monkeypatch):
+    """The benchmark's bookkeeping on the CPU: the reference stands in for the kernel, SDPA for FA4 and cuDNN,
+    every call 'takes' 2 ms; inputs Open-VC refuses leave its methods out and keep the others."""
+    bench = load_example("bench_attention")
+    sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        *(t.transpose(1, 2) for t in (q, k, v))
+    ).transpose(1, 2)
+    for name, stand_in in {
+        "time_ms": lambda fn, sets, budget_ms=0: (fn(*sets[0]), 2.0)[1],
+        "clocks": lambda: "-",
+        "prepare": lambda q, k, v: (q, k, v),
+        "attention_prepared": lambda p, out, softmax_scale: out.copy_(reference_attention(*p)),
+        "attention": lambda q, k, v: reference_attention(q, k, v),
+        "run_fa4": sdpa,
+        "run_cudnn": sdpa,
+    }.items():
+        monkeypatch.setattr(bench, name, stand_in)
+    q, k, v = (torch.randn(2, s, 2, 128, dtype=torch.bfloat16) for s in (200, 150, 150))
+    row = bench.bench_sets([[q, k, v]], {"seq": 200, "heads": 2, "label": "step0.layer1"})
+    methods = {"openvc_kernel", "openvc_prepare", "openvc_call", "fa4_bf16", "cudnn_bf16"}
+    assert set(row["ms"]) == methods and set(row["ms"].values()) == {2.0} and "errors" not in row
+    assert row["tflops"]["fa4_bf16"] == pytest.approx(4 * 2 * 200 * 150 * 2 * 128 / 2e-3 / 1e12)
+    assert 0.04 < row["rel_l2_vs_float64"] < 0.08 and 0.04 < row["rel_l2_vs_fa4"] < 0.08
+    assert row["fa4_rel_l2_vs_float64"] < 0.01
+    assert "step0.layer1 |   2.00 ms" in bench.table([row])
+
+    def refuse(q, k, v):
+        raise ValueError("head_dim must be 128")
+
+    monkeypatch.setattr(bench, "prepare", refuse)
+    monkeypatch.setattr(bench, "attention", refuse)
+    row = bench.bench_sets([[q, k, v]], {"seq": 200, "heads": 2, "label": "refused"})
+    assert sorted(row["errors"]) == ["openvc_call", "openvc_kernel", "openvc_prepare"]
+    assert math.isnan(row["ms"]["openvc_call"]) and row["ms"]["fa4_bf16"] == 2.0 and "rel_l2_vs_fa4" not in row
 
 
 @pytest.mark.parametrize("name", BUILDERS)
