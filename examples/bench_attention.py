@@ -23,6 +23,7 @@ each method's timed calls (the clocks it ran at: the H200 holds its power cap by
 
 import argparse
 import json
+import os
 import random
 import re
 import statistics
@@ -304,6 +305,8 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     if args.inputs and args.repair:
         parser.error("--inputs and --repair do not combine: the repair sweep draws its own inputs")
+    if args.inputs and not os.path.isfile(args.inputs):
+        parser.error(f"--inputs {args.inputs}: no such file (examples/capture.py writes one)")
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU (Hopper for Open-VC)")
     random.seed(args.seed)

@@ -201,7 +201,7 @@ def test_bench_attention_reads_captured_inputs(tmp_path):
             assert torch.equal(tensor, captured[f"{name}.{x}"])
 
 
-def test_bench_attention_rejects_files_it_cannot_read(tmp_path):
+def test_bench_attention_rejects_files_it_cannot_read(tmp_path, capsys):
     bench = load_example("bench_attention")
     qkv = {f"step0.layer0.{x}": torch.randn(1, 8, 2, 128) for x in "qkv"}
     save_file(qkv, tmp_path / "other.safetensors")
@@ -214,6 +214,9 @@ def test_bench_attention_rejects_files_it_cannot_read(tmp_path):
         bench.load_captured(str(tmp_path / "partial.safetensors"))
     with pytest.raises(SystemExit):
         bench.main(["--inputs", str(tmp_path / "partial.safetensors"), "--repair"])
+    with pytest.raises(SystemExit):
+        bench.main(["--inputs", str(tmp_path / "missing.safetensors")])
+    assert "missing.safetensors: no such file (examples/capture.py writes one)" in capsys.readouterr().err
 
 
 def test_bench_attention_rows_with_stand_in_backends(monkeypatch):
