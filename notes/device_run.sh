@@ -7,6 +7,7 @@
 #   pipeline  examples/bench_pipeline.py ${PIPELINE_ARGS}
 #   ulysses   torchrun examples/bench_ulysses.py on every GPU of the machine ${ULYSSES_ARGS}
 #   probe  notes/${PROBE} (default probe_variants.py), a same-process comparison of kernel variants
+#   inputs examples/capture.py (tiny Wan on the GPU, ${CAPTURE_ARGS}) then bench_attention.py --inputs on its file
 # libs-cu13 is over one call's carry limit, so a cold machine takes two calls: the first carries .whl/a (exit 3:
 # "stashed"), the second .whl/b; a warm machine with /tmp/site installed needs neither.
 set -u
@@ -48,6 +49,10 @@ for stage in ${STAGES:-prep tests bench}; do
         | tail -n 40 ;;
     probe)
       timeout -k 5 ${PROBE_TIMEOUT:-200} python3 notes/${PROBE:-probe_variants.py} 2>&1 | tee $OUT/probe.log | tail -n 40 ;;
+    inputs)
+      timeout -k 5 ${INPUTS_TIMEOUT:-200} bash -c "python3 examples/capture.py --output $OUT/qkv.safetensors \
+        ${CAPTURE_ARGS:---layers 0,1 --steps 0} && python3 examples/bench_attention.py --inputs $OUT/qkv.safetensors \
+        --json $OUT/bench_inputs.json" 2>&1 | tee $OUT/bench_inputs.log | tail -n 20 ;;
     bench)
       timeout -k 5 ${BENCH_TIMEOUT:-280} python3 examples/bench_attention.py ${BENCH_ARGS:-} --json $OUT/bench.json 2>&1 \
         | tee $OUT/bench.log ;;
