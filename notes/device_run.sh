@@ -1,5 +1,6 @@
 #!/bin/bash
-# Device side of a GPU check, run from the repo root. STAGES picks what runs (default: all of them, in order):
+# Device side of a GPU check, run from the repo root. STAGES picks what runs, in the order given (unset or
+# "none": only install; a stash call on a machine that is still warm must not start a long run):
 #   prep   tests/test_sm90_prep.py, then notes/bench_sm90_prep.py (each launch, smoothing and repair steps)
 #   tests  ${TESTS} (default tests/test_sm90_gpu.py)
 #   bench  examples/bench_attention.py ${BENCH_ARGS}
@@ -26,9 +27,10 @@ export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/pkg
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv
 # conftest imports diffusers, which the device image lacks; the sm90 tests need none of it.
 PYTEST="python3 -m pytest -q ${PYTEST_CONFTEST-"--noconftest"} -p no:cacheprovider --timeout=120 -rfEs"
-for stage in ${STAGES:-prep tests bench}; do
+for stage in ${STAGES:-none}; do
   echo "== stage $stage ($(date +%T))"
   case $stage in
+    none) ;;
     prep)
       timeout -k 5 240 $PYTEST tests/test_sm90_prep.py 2>&1 | tee $OUT/prep.log | tail -n 15
       timeout -k 5 90 python3 notes/bench_sm90_prep.py 2>&1 | tee $OUT/prep_bench.log | tail -n 24 ;;
