@@ -44,17 +44,25 @@ def encode_magic(scores: cute.Tensor, anchor: cute.Tensor, coef: Float32):
             scores[r, i] = cute.arch.fmax(cute.math.fma(scores[r, i], coef, bias), magic)
 
 
+def fill_pv_operand(frag_p: cute.Tensor, words: cute.Tensor, word_at):
+    """Word ``r + 2 h + 4 kb`` of the PV A fragment is ``word_at(words, r, c)``, c = 4 kb + 2 h (as in
+    softmax.pack_codes); a plain function, unrolled where a jit function calls it."""
+    p_words = cute.recast_tensor(frag_p, Uint32)
+    for kb in range(cute.size(frag_p, mode=[2])):
+        for h in range(2):
+            for r in range(2):
+                p_words[r + 2 * h + 4 * kb] = word_at(words, r, 4 * kb + 2 * h)
+
+
+def magic_word(words: cute.Tensor, r: int, c: int):
+    first = softmax.byte_perm(words[2 * r + 4 * c], words[1 + 2 * r + 4 * c], LOW_BYTES)
+    second = softmax.byte_perm(words[2 * r + 4 * (c + 1)], words[1 + 2 * r + 4 * (c + 1)], LOW_BYTES)
+    return softmax.byte_perm(first, second, HALVES)
+
+
 @cute.jit
 def pack_codes_magic(codes: cute.Tensor, frag_p: cute.Tensor):
-    words = cute.recast_tensor(codes, Uint32)
-    p_words = cute.recast_tensor(frag_p, Uint32)
-    for kb in cutlass.range_constexpr(cute.size(frag_p, mode=[2])):
-        for h in cutlass.range_constexpr(2):
-            for r in cutlass.range_constexpr(2):
-                c = 4 * kb + 2 * h
-                first = softmax.byte_perm(words[2 * r + 4 * c], words[1 + 2 * r + 4 * c], LOW_BYTES)
-                second = softmax.byte_perm(words[2 * r + 4 * (c + 1)], words[1 + 2 * r + 4 * (c + 1)], LOW_BYTES)
-                p_words[r + 2 * h + 4 * kb] = softmax.byte_perm(first, second, HALVES)
+    fill_pv_operand(frag_p, cute.recast_tensor(codes, Uint32), magic_word)
 
 
 @dsl_user_op
@@ -78,16 +86,13 @@ def encode_and_convert(scores: cute.Tensor, anchor: cute.Tensor, coef: Float32):
             scores[r, 2 * c] = pack_f16_relu_in_f32(high, low)
 
 
+def converted_word(words: cute.Tensor, r: int, c: int):
+    return softmax.byte_perm(words[2 * r + 4 * c], words[2 * r + 4 * (c + 1)], softmax.HALF_LOW_BYTES)
+
+
 @cute.jit
 def pack_converted(codes: cute.Tensor, frag_p: cute.Tensor):
-    words = cute.recast_tensor(codes, Uint32)
-    p_words = cute.recast_tensor(frag_p, Uint32)
-    for kb in cutlass.range_constexpr(cute.size(frag_p, mode=[2])):
-        for h in cutlass.range_constexpr(2):
-            for r in cutlass.range_constexpr(2):
-                c = 4 * kb + 2 * h
-                pair, next_pair = words[2 * r + 4 * c], words[2 * r + 4 * (c + 1)]
-                p_words[r + 2 * h + 4 * kb] = softmax.byte_perm(pair, next_pair, softmax.HALF_LOW_BYTES)
+    fill_pv_operand(frag_p, cute.recast_tensor(codes, Uint32), converted_word)
 
 
 MAGIC = {"encode": encode_magic, "pack_codes": pack_codes_magic}
