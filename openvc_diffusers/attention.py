@@ -40,16 +40,7 @@ def run(
     for reason in decision.reasons:
         warn_once(f"Open-VC fallback to {decision.backend}: {reason}")
     if decision.backend == OPENVC_KERNEL:
-        out = openvc_kernels.attention(
-            q,
-            k,
-            v,
-            window=config.window,
-            smooth_k=config.smooth_k,
-            repair_ratio=config.repair_ratio,
-            repair_ranking=config.repair_ranking,
-        )
-        return out.to(q.dtype)
+        return openvc_kernels.attention(q, k, v, **config.kernel_options).to(q.dtype)
     if decision.backend == OPENVC_REFERENCE:
         warn_once(REFERENCE_WARNING)
         return run_reference(q, k, v, config)

@@ -58,13 +58,4 @@ def run_sdpa(q, k, v, attn_mask=None, attention_backend=None) -> torch.Tensor:
 
 def run_reference(q, k, v, config) -> torch.Tensor:
     """The reference with the config's Open-VC settings, in q's dtype."""
-    out = openvc_kernels.reference_attention(
-        q,
-        k,
-        v,
-        repair_ratio=config.repair_ratio,
-        window=config.window,
-        smooth_k=config.smooth_k,
-        repair_ranking=config.repair_ranking,
-    )
-    return out.to(q.dtype)
+    return openvc_kernels.reference_attention(q, k, v, **config.kernel_options).to(q.dtype)

@@ -69,6 +69,16 @@ class OpenVCConfig:
         for name, value in checked.items():
             object.__setattr__(self, name, value)
 
+    @property
+    def kernel_options(self) -> dict[str, Any]:
+        """The keyword arguments the kernel's complete call and the reference take from this config."""
+        return {
+            "window": self.window,
+            "smooth_k": self.smooth_k,
+            "repair_ratio": self.repair_ratio,
+            "repair_ranking": self.repair_ranking,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         """The YAML-shaped dict: `load_config(cfg.to_dict()) == cfg`."""
         return {

@@ -232,3 +232,17 @@ def test_repair_ranking_is_checked():
     assert load_config({"repair_ranking": "energy"}).repair_ranking == "energy"
     with pytest.raises(ConfigError, match="repair_ranking: got 'mass'; expected one of 'attention', 'energy'"):
         load_config({"repair_ranking": "mass"})
+
+
+def test_kernel_options_are_the_configs_values_as_kernel_and_reference_keywords():
+    import inspect
+
+    import openvc_kernels
+
+    config = load_config({"window": None, "smooth_k": False, "repair_ratio": 0.01, "repair_ranking": "attention"})
+    assert config.kernel_options == {
+        "window": None, "smooth_k": False, "repair_ratio": 0.01, "repair_ranking": "attention"
+    }
+    for fn in (openvc_kernels.attention, openvc_kernels.reference_attention):
+        parameters = inspect.signature(fn).parameters
+        assert all(parameters[name].kind is inspect.Parameter.KEYWORD_ONLY for name in config.kernel_options)
