@@ -148,8 +148,11 @@ def bench_sets(sets: list[list[torch.Tensor]], row: dict) -> dict:
         except Exception as e:  # a missing backend (FA4 not installed), inputs one cannot take: keep the rest
             row["ms"][name] = float("nan")
             row.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
-        row["tflops"][name] = tflops(flop, row["ms"][name])
         at = row.get("clocks_after", {}).get(name, "")
+        if name == "openvc_prepare":  # no attention FLOPs: a rate would mean nothing
+            log(f"  {name:15s} {row['ms'][name]:9.3f} ms                  (then: {at})")
+            continue
+        row["tflops"][name] = tflops(flop, row["ms"][name])
         log(f"  {name:15s} {row['ms'][name]:9.3f} ms  {row['tflops'][name]:6.0f} TFLOP/s  (then: {at})")
 
     rows = torch.randint(0, q.shape[1], (SAMPLED_ROWS,), device=q.device)

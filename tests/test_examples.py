@@ -240,6 +240,7 @@ def test_bench_attention_rows_with_stand_in_backends(monkeypatch):
     row = bench.bench_sets([[q, k, v]], {"seq": 200, "heads": 2, "label": "step0.layer1"})
     methods = {"openvc_kernel", "openvc_prepare", "openvc_call", "fa4_bf16", "cudnn_bf16"}
     assert set(row["ms"]) == methods and set(row["ms"].values()) == {2.0} and "errors" not in row
+    assert "openvc_prepare" not in row["tflops"]  # no attention FLOPs in the preparation
     assert row["tflops"]["fa4_bf16"] == pytest.approx(4 * 2 * 200 * 150 * 2 * 128 / 2e-3 / 1e12)
     assert 0.04 < row["rel_l2_vs_float64"] < 0.08 and 0.04 < row["rel_l2_vs_fa4"] < 0.08
     assert row["fa4_rel_l2_vs_float64"] < 0.01
