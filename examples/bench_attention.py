@@ -278,8 +278,9 @@ def repair_table(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
+    width = max(11, *(len(r["label"]) for r in rows))  # capture labels ("step12.layer29") run longer than S x H
     head = (
-        f"{'S x H':>11} | {'kernel':>14} | {'call':>14} | {'prep ms':>7} | {'FA4 BF16':>14} | "
+        f"{'S x H':>{width}} | {'kernel':>14} | {'call':>14} | {'prep ms':>7} | {'FA4 BF16':>14} | "
         f"{'cuDNN BF16':>14} | {'x FA4':>5} | {'L2 vs FA4':>9} | {'L2 vs f64':>9}"
     )
     lines = [head, "-" * len(head)]
@@ -290,7 +291,7 @@ def table(rows: list[dict]) -> str:
             return f"{r['ms'][name]:6.2f} ms {r['tflops'][name]:4.0f}"
 
         lines.append(
-            f"{r['label']:>11} | {cell('openvc_kernel')} | {cell('openvc_call')} | "
+            f"{r['label']:>{width}} | {cell('openvc_kernel')} | {cell('openvc_call')} | "
             f"{ms['openvc_prepare']:7.2f} | {cell('fa4_bf16')} | {cell('cudnn_bf16')} | "
             f"{r['speedup_call_over_fa4']:5.2f} | {r.get('rel_l2_vs_fa4', float('nan')):9.4f} | "
             f"{r.get('rel_l2_vs_float64', float('nan')):9.4f}"
