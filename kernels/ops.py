@@ -6,13 +6,16 @@ repeated calls. ``torch.ops.openvc.attention`` is the registered custom op (with
 ``torch.compile`` can trace through it).
 """
 
+import functools
 import os
+
 import torch
 
 from .expcast import CODES_PER_NAT
 from .sm90.layout import HEAD_DIM, PV_N, Prepared
 from .compile_cache import load_or_compile
-from .quant import softmax_scale_or_default
+from .quant import BLOCK, num_blocks, softmax_scale_or_default
+from .split import TailSplit, plan_tail_split
 from .support import KERNEL_DTYPES, kernel_unavailable_reason
 from .validation import check_attention_args
 
@@ -28,12 +31,13 @@ def compile_attention(plain_order: bool, **config):
     import cutlass
     import cutlass.cute as cute
 
-    from .sm90.fwd import TILE_M, TILE_N, ExpCastAttentionSm90
+    from .sm90.fwd import CONSUMER_WGS, TILE_M, TILE_N, ExpCastAttentionSm90
 
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     batch, heads = cute.sym_int(), cute.sym_int()
     s_q_pad, s_k_pad = cute.sym_int(divisibility=TILE_M), cute.sym_int(divisibility=TILE_N)
     n_q, n_k, s_q, n_r = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    slots, split_units = cute.sym_int(), cute.sym_int()
 
     def row_major(dtype, shape, align):
         return cute.runtime.make_fake_compact_tensor(
@@ -49,10 +53,15 @@ def compile_attention(plain_order: bool, **config):
         row_major(cutlass.Float32, (batch, heads), 4),
         row_major(cutlass.Float32, (batch, heads, n_r), 4),
         row_major(cutlass.BFloat16, (batch, s_q, heads, HEAD_DIM), 16),
+        row_major(cutlass.Float32, (slots, TILE_M, PV_N), 16),
+        row_major(cutlass.Float32, (slots, TILE_M), 4),
+        row_major(cutlass.Int32, (split_units, CONSUMER_WGS), 4),
         cutlass.Float32(1.0),
         cutlass.Int32(1),
         cutlass.Int32(0),
         cutlass.Int32(0),
+        cutlass.Int32(1),
+        cutlass.Int32(1),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     kernel = ExpCastAttentionSm90(plain_order=plain_order, **config)
@@ -92,17 +101,45 @@ def prepare(
     )
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split_workspace(plan: TailSplit, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pieces' sums, anchors and arrival counters (zeroed) for ``plan`` (``sm90/pieces.py``); without a
+    split the kernel never reads them: compact one-element stand-ins, never empty tensors."""
+    slots, split_units = max(plan.split_units * plan.splits, 1), max(plan.split_units, 1)
+    sums = torch.empty(slots, BLOCK, PV_N, dtype=torch.float32, device=device)
+    anchors = torch.empty(slots, BLOCK, dtype=torch.float32, device=device)
+    return sums, anchors, torch.zeros(split_units, 2, dtype=torch.int32, device=device)
+
+
 def attention_prepared(
-    prepared: Prepared, out: torch.Tensor, *, softmax_scale: float, window: int | None = 4, **config
+    prepared: Prepared,
+    out: torch.Tensor,
+    *,
+    softmax_scale: float,
+    window: int | None = 4,
+    split_tail: bool = True,
+    **config,
 ) -> torch.Tensor:
-    """Run the kernel on prepared inputs into ``out`` ((B, S_q, H, 128) bf16, contiguous); returns ``out``."""
+    """Run the kernel on prepared inputs into ``out`` ((B, S_q, H, 128) bf16, contiguous); returns ``out``.
+
+    ``split_tail``: share the key range of the last wave's query tiles out over the idle SMs (``split.py``; as
+    ``reference_attention(sm_count=...)`` models it with this GPU's SM count); False runs one CTA per query tile.
+    """
     codes_per_score = float(torch.tensor(softmax_scale * CODES_PER_NAT, dtype=torch.float32))
     p = prepared
+    batch, heads, s_q_pad, _ = p.q8.shape
+    units = batch * heads * (s_q_pad // BLOCK)
+    sms = sm_count(out.device) if split_tail else None
+    plan = plan_tail_split(units, num_blocks(p.seqlen_k), sms, repair=p.repair_tiles > 0)
     # Without repair the kernel never reads d_k_repair: a compact (B, H, 1) stand-in, never an empty tensor.
     d_k_repair = p.d_k_repair if p.repair_tiles else p.d_v[..., None]
     _kernel(window is None, **config)(
-        p.q8, p.k8, p.v_packed, p.d_q, p.d_k, p.d_v, d_k_repair, out,
-        codes_per_score, p.seqlen_k, window or 0, p.repair_tiles,
+        p.q8, p.k8, p.v_packed, p.d_q, p.d_k, p.d_v, d_k_repair, out, *_split_workspace(plan, out.device),
+        codes_per_score, p.seqlen_k, window or 0, p.repair_tiles, plan.whole_units, plan.splits,
     )
     return out
 

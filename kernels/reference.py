@@ -11,6 +11,7 @@ exponential of the rescale, so codes agree except at rare rounding ties.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +30,7 @@ from .quant import (
     softmax_scale_or_default,
     v_residual,
 )
+from .split import merge_pieces, piece_steps, plan_tail_split
 from .validation import check_attention_args
 from .wgmma import PV_PROMOTE_EVERY, wgmma_e4m3_dot
 
@@ -66,6 +68,99 @@ def _promote(acc: torch.Tensor, l: torch.Tensor, pv: torch.Tensor, pending: torc
     return acc, l, torch.ones_like(pending)
 
 
+class _Keys(NamedTuple):
+    """The keys of every (batch, head) pair ``bh = batch * heads + head``, as the kernel reads them: E4M3 values
+    in FP32, 128-key tiles. ``v`` holds ``(bh, tile, D, 128)`` V^T, with a ones row (the denominator) for every
+    real key when summing like the wgmma, else ``(bh, tile, 128, D)``. The repair tiles (``None`` without repair)
+    follow the real ones, zero keys padding the last: ``repair_k`` (bh, tile, 128, D), ``repair_d_k`` (bh, tile,
+    128: each key keeps its own block's descale), ``repair_v`` laid out as ``v`` with 0 in the ones row."""
+
+    k: torch.Tensor
+    d_k: torch.Tensor
+    v: torch.Tensor
+    valid: torch.Tensor
+    repair_k: torch.Tensor | None
+    repair_d_k: torch.Tensor | None
+    repair_v: torch.Tensor | None
+
+
+def _tiles(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``(bh, count, ...)`` -> ``(bh, n, 128, ...)``, zero keys padding the count to ``n`` tiles."""
+    pad = [0, 0] * (x.dim() - 2) + [0, n * BLOCK - x.shape[1]]
+    return torch.nn.functional.pad(x, pad).view(x.shape[0], n, BLOCK, *x.shape[2:])
+
+
+def _v_operand(v: torch.Tensor, ones: torch.Tensor | None) -> torch.Tensor:
+    """``(bh, n, 128, D)`` V tiles -> the PV operand: with ``ones`` ((n, 128) denominators per key), V^T with
+    them as row D (the wgmma-summing form); without, unchanged."""
+    if ones is None:
+        return v
+    ones = ones.float().expand(v.shape[0], -1, -1)[..., None]
+    return torch.cat([v, ones], dim=-1).transpose(-1, -2)
+
+
+def _visit(
+    q: torch.Tensor,
+    s: torch.Tensor,
+    bh: torch.Tensor,
+    order: torch.Tensor,
+    steps: range,
+    keys: _Keys,
+    like_wgmma: bool,
+    repair: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's loop for units (query tiles) ``q`` (u, 128, D) with codes per score ``s`` (u, 1) and key
+    pairs ``bh`` (u,) over the steps ``steps`` of their visiting ``order`` (u, n_k), then, with ``repair``,
+    the repair tiles on the final anchor (numerator only). Returns the unnormalised sums ``acc`` (u, 128, D),
+    ``l`` (u, 128) and the final ``anchor`` (u, 128)."""
+    dot = wgmma_e4m3_dot if like_wgmma else lambda a, b: a @ b.transpose(-1, -2)
+    m = torch.full(q.shape[:2], -math.inf, device=q.device)
+    anchor = None
+    acc = torch.zeros_like(q)
+    l = torch.zeros_like(m)
+    pv = None  # wgmma: the PV wgmma's running sum over the tiles since the last promotion, (u, 128, D + 1)
+    pending = torch.ones_like(l)  # wgmma: the anchor moves since the last promotion, not yet applied to acc, l
+    for j, step in enumerate(steps):  # j counts from the piece's first step: PV chains restart there
+        tile = order[:, step]
+        d_k_tile = keys.d_k[bh, tile][:, None]  # (u, 1)
+        raw = dot(q, keys.k[bh, tile])  # (u, 128 rows, 128 keys)
+        raw.masked_fill_(~keys.valid[tile][:, None, :], -math.inf)
+        m = torch.maximum(m, raw.amax(dim=-1) * d_k_tile)
+        new_anchor = code_anchor(m, s)
+        if anchor is not None:
+            alpha = torch.exp2((new_anchor - anchor) * 0.125)
+            if like_wgmma:
+                pv *= alpha[..., None]
+                pending *= alpha
+                if j % PV_PROMOTE_EVERY == 0:
+                    acc, l, pending = _promote(acc, l, pv, pending)
+                    pv = None
+            else:
+                acc *= alpha[..., None]
+                l *= alpha
+        anchor = new_anchor
+        p = expcast_decode(anchored_encode(raw, (s * d_k_tile)[..., None], anchor[..., None]))
+        if like_wgmma:
+            pv = wgmma_e4m3_dot(p, keys.v[bh, tile], pv)
+        else:
+            acc += p @ keys.v[bh, tile]
+            l += p.sum(dim=-1)
+    for j in range(keys.repair_k.shape[1] if repair and keys.repair_k is not None else 0):
+        # Each repair tile is one more step of the PV chain; zero keys pad the last (zero V adds nothing).
+        if like_wgmma and (len(steps) + j) % PV_PROMOTE_EVERY == 0:
+            acc, l, pending = _promote(acc, l, pv, pending)
+            pv = None
+        raw = dot(q, keys.repair_k[bh, j])
+        p = expcast_decode(anchored_encode(raw, s[..., None] * keys.repair_d_k[bh, j][:, None, :], anchor[..., None]))
+        if like_wgmma:
+            pv = wgmma_e4m3_dot(p, keys.repair_v[bh, j], pv)
+        else:
+            acc += p @ keys.repair_v[bh, j]
+    if like_wgmma:
+        acc, l, _ = _promote(acc, l, pv, pending)
+    return acc, l, anchor
+
+
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -77,6 +172,7 @@ def reference_attention(
     smooth_k: bool = False,
     repair_ranking: str = "energy",
     accumulation: str = "exact",
+    sm_count: int | None = None,
 ) -> torch.Tensor:
     """Open-VC attention on ``(B, S, H, D)`` inputs (fp16, bf16 or fp32), BF16 output ``(B, S_q, H, D)``.
 
@@ -87,12 +183,15 @@ def reference_attention(
     ("attention") or by residual energy alone ("energy"); ``accumulation="wgmma"`` adds up Q8 . K8 and P . V8
     (numerator and denominator) as the Hopper kernel's FP8 wgmma does (``wgmma.py``: 14 significant bits, cut
     toward zero; P V summed over ``PV_PROMOTE_EVERY`` tiles before each FP32 add), "exact" in FP32.
+    ``sm_count``: the SMs of the GPU the kernel runs on, whose last wave of query tiles it splits
+    (``split.py``); None: no split.
     """
     check_attention_args(q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking)
     if accumulation not in ACCUMULATIONS:
         raise ValueError(f"accumulation must be one of {', '.join(map(repr, ACCUMULATIONS))}, got {accumulation!r}")
+    if sm_count is not None and (isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1):
+        raise ValueError(f"sm_count must be a positive int or None (no split), got {sm_count!r}")
     like_wgmma = accumulation == "wgmma"
-    dot = wgmma_e4m3_dot if like_wgmma else lambda a, b: a @ b.transpose(-1, -2)
     batch, s_q, heads, dim = q.shape
     s_k = k.shape[1]
     tau = softmax_scale_or_default(softmax_scale, dim)
@@ -104,80 +203,47 @@ def reference_attention(
     v_heads = v.transpose(1, 2)
     v8, d_v = quantize_per_head(v_heads)
 
-    q_tiles = q8.float().view(batch, heads, n_q, BLOCK, dim)
-    k_tiles = k8.float().view(batch, heads, n_k, BLOCK, dim)
-    v_padded = torch.nn.functional.pad(v8.float(), (0, 0, 0, n_k * BLOCK - s_k))
-    v_tiles = v_padded.view(batch, heads, n_k, BLOCK, dim)
-    key_valid = (torch.arange(n_k * BLOCK, device=q.device) < s_k).view(n_k, BLOCK)
-    s = codes_per_score(tau, d_q)[..., None]  # (B, H, n_q, 1): one per query row
-
-    order = visiting_order(n_q, n_k, window).to(q.device)
-    m = torch.full((batch, heads, n_q, BLOCK), -math.inf, device=q.device)
-    anchor = None
-    acc = torch.zeros(batch, heads, n_q, BLOCK, dim, device=q.device)
-    l = torch.zeros(batch, heads, n_q, BLOCK, device=q.device)
-    if like_wgmma:
-        # The kernel's PV operand: V^T with a ones row (the denominator) for every real key.
-        ones = key_valid.float().view(1, 1, n_k, BLOCK, 1).expand(batch, heads, -1, -1, -1)
-        v_cols = torch.cat([v_tiles, ones], dim=-1).transpose(-1, -2)  # (B, H, n_k, dim + 1, 128 keys)
-        pv = None  # the PV wgmma's running sum over the tiles since the last promotion: (..., dim + 1)
-        pending = torch.ones_like(l)  # the anchor moves since the last promotion, not yet applied to acc and l
-    for step in range(n_k):
-        tile = order[:, step]
-        d_k_tile = d_k[:, :, tile]  # (B, H, n_q)
-        raw = dot(q_tiles, k_tiles[:, :, tile])  # (B, H, n_q, 128 rows, 128 keys)
-        raw.masked_fill_(~key_valid[tile][:, None, :], -math.inf)
-        m = torch.maximum(m, raw.amax(dim=-1) * d_k_tile[..., None])
-        new_anchor = code_anchor(m, s)
-        if anchor is not None:
-            alpha = torch.exp2((new_anchor - anchor) * 0.125)
-            if like_wgmma:
-                pv *= alpha[..., None]
-                pending *= alpha
-                if step % PV_PROMOTE_EVERY == 0:
-                    acc, l, pending = _promote(acc, l, pv, pending)
-                    pv = None
-            else:
-                acc *= alpha[..., None]
-                l *= alpha
-        anchor = new_anchor
-        codes = anchored_encode(raw, (s * d_k_tile[..., None])[..., None], anchor[..., None])
-        p = expcast_decode(codes)
-        if like_wgmma:
-            pv = wgmma_e4m3_dot(p, v_cols[:, :, tile], pv)
-        else:
-            acc += p @ v_tiles[:, :, tile]
-            l += p.sum(dim=-1)
+    pairs = batch * heads
+    valid = (torch.arange(n_k * BLOCK, device=q.device) < s_k).view(n_k, BLOCK)
+    v_tiles = _tiles(v8.float().reshape(pairs, s_k, dim), n_k)
+    repair = [None] * 3
     count = repair_count(s_k, repair_ratio)
     if count > 0:
         residual = v_residual(v_heads, v8, d_v)
         tokens = choose_repair_tokens(residual_energy(residual), count, q, k, ranking=repair_ranking, softmax_scale=tau)
-        v_repair = quantize_repair_rows(gather_tokens(residual, tokens), d_v).float()
-        k_repair = gather_tokens(k8.float(), tokens)
-        d_k_repair = d_k.gather(2, tokens // BLOCK)  # each repair key keeps its own block's scale
-        if like_wgmma:
-            # As the kernel visits them: after the real keys, in tiles of 128 (zero rows pad the last one, zero V
-            # and zero ones add nothing), each tile one more step of the PV chain.
-            n_r = num_blocks(count)
-            pad = (0, 0, 0, n_r * BLOCK - count)
-            k_tiles_r = torch.nn.functional.pad(k_repair, pad).view(batch, heads, n_r, BLOCK, dim)
-            v_cols_r = torch.nn.functional.pad(v_repair, (0, 1) + pad[2:]).view(batch, heads, n_r, BLOCK, dim + 1)
-            d_k_r = torch.nn.functional.pad(d_k_repair, pad[2:]).view(batch, heads, n_r, BLOCK)
-            for j in range(n_r):
-                if (n_k + j) % PV_PROMOTE_EVERY == 0:
-                    acc, l, pending = _promote(acc, l, pv, pending)
-                    pv = None
-                raw = dot(q_tiles, k_tiles_r[:, :, j, None].expand(-1, -1, n_q, -1, -1))
-                codes = anchored_encode(raw, s[..., None] * d_k_r[:, :, j, None, None, :], anchor[..., None])
-                pv = wgmma_e4m3_dot(expcast_decode(codes), v_cols_r[:, :, j, None].transpose(-1, -2), pv)
-        else:
-            raw = dot(q_tiles, k_repair[:, :, None].expand(-1, -1, n_q, -1, -1))  # (B, H, n_q, 128, count)
-            coef = s[..., None] * d_k_repair[:, :, None, None, :]
-            codes = anchored_encode(raw, coef, anchor[..., None])
-            acc += expcast_decode(codes) @ v_repair[:, :, None]  # numerator only: l keeps the real keys' sum
-    if like_wgmma:
-        acc, l, _ = _promote(acc, l, pv, pending)
+        v_repair = quantize_repair_rows(gather_tokens(residual, tokens), d_v).float().reshape(pairs, count, dim)
+        n_r = num_blocks(count)
+        repair = [
+            _tiles(gather_tokens(k8.float(), tokens).reshape(pairs, count, dim), n_r),
+            _tiles(d_k.gather(2, tokens // BLOCK).reshape(pairs, count), n_r),
+            _v_operand(_tiles(v_repair, n_r), valid.new_zeros(n_r, BLOCK) if like_wgmma else None),
+        ]
+    keys = _Keys(
+        k8.float().view(pairs, n_k, BLOCK, dim),
+        d_k.reshape(pairs, n_k),
+        _v_operand(v_tiles, valid if like_wgmma else None),
+        valid,
+        *repair,
+    )
 
-    out = acc * (d_v[..., None, None] / l)[..., None]
+    # One unit per query tile of each (batch, head), in the kernel's launch order.
+    units = pairs * n_q
+    q_units = q8.float().reshape(units, BLOCK, dim)
+    s = codes_per_score(tau, d_q).reshape(units, 1)
+    bh = torch.arange(units, device=q.device) // n_q
+    order = visiting_order(n_q, n_k, window).to(q.device).repeat(pairs, 1)
+    plan = plan_tail_split(units, n_k, sm_count, repair=count > 0)
+    whole = slice(0, plan.whole_units)
+    acc, l, _ = _visit(q_units[whole], s[whole], bh[whole], order[whole], range(n_k), keys, like_wgmma, True)
+    if plan.splits > 1:
+        tail = slice(plan.whole_units, units)
+        tail_units = (q_units[tail], s[tail], bh[tail], order[tail])
+        pieces = [
+            _visit(*tail_units, piece_steps(p, plan.splits, n_k), keys, like_wgmma, False) for p in range(plan.splits)
+        ]
+        acc_tail, l_tail = merge_pieces(pieces)
+        acc, l = torch.cat([acc, acc_tail]), torch.cat([l, l_tail])
+
+    out = acc * (d_v.reshape(pairs)[bh, None] / l)[..., None]
     out = out.view(batch, heads, n_q * BLOCK, dim)[:, :, :s_q]
     return out.transpose(1, 2).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Device probe: kernel-only time of tuning variants, and FA4 BF16, at the two reference shapes."""
+"""Device probe: kernel-only time of variants (tuning knobs, the tail split), and FA4 BF16, at three bench shapes."""
 
 import torch
 from triton.testing import do_bench
@@ -6,10 +6,8 @@ from triton.testing import do_bench
 from openvc_kernels.ops import attention_prepared, prepare
 
 VARIANTS = {
-    "default (ping-pong, promote every 4)": dict(),
-    "promote every 2": dict(promote_every=2),
-    "promote every tile": dict(promote_every=1),
-    "no ping-pong": dict(pingpong=False),
+    "default (tail split)": dict(),
+    "no tail split": dict(split_tail=False),
 }
 
 
@@ -35,7 +33,7 @@ def main():
     from flash_attn.cute import flash_attn_func
 
     print(torch.cuda.get_device_name())
-    for seq, heads in ((32760, 12), (75600, 40)):
+    for seq, heads in ((73397, 7), (32760, 12), (75600, 40)):
         probe_shape(seq, heads, flash_attn_func)
         torch.cuda.empty_cache()
 

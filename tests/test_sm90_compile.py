@@ -88,8 +88,8 @@ def test_sass_has_fp8_wgmma(sass):
 
 
 def test_sass_has_no_exp_per_score(sass):
-    """One MUFU.EX2 per row for the rescale at most; ExpCast is one FFMA per score, one FP16 pack (round, clip,
-    pack) per two and one PRMT per four; no score is converted to an integer or to FP8."""
+    """MUFU.EX2 per row only (the rescale, the merge of split pieces); ExpCast is one FFMA per score, one FP16
+    pack (round, clip, pack) per two and one PRMT per four; no score is converted to an integer or to FP8."""
     ops = _opcodes(sass)
     count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))
     assert count("MUFU.EX2") <= 4

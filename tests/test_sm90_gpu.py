@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from openvc_kernels import compile_cache
-from openvc_kernels.ops import attention, attention_prepared, prepare
+from openvc_kernels.ops import attention, attention_prepared, prepare, sm_count
+from openvc_kernels.quant import num_blocks
+from openvc_kernels.split import plan_tail_split
 from openvc_kernels.sm90.layout import Prepared, prepare_reference
 from openvc_kernels.reference import reference_attention
 
@@ -30,7 +32,9 @@ def _rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _assert_matches(out: torch.Tensor, q, k, v, **options) -> None:
-    """rel-L2 <= REL_L2 against the wgmma-summing reference; the message says how the BF16 outputs differ."""
+    """rel-L2 <= REL_L2 against the wgmma-summing reference, which splits the last wave as the kernel does on
+    this GPU unless ``sm_count`` says otherwise; the message says how the BF16 outputs differ."""
+    options.setdefault("sm_count", sm_count(q.device))
     ref = reference_attention(q, k, v, accumulation="wgmma", **options)
     torch.cuda.synchronize()
     rel = _rel_l2(out, ref)
@@ -62,10 +66,11 @@ def _exact_score_inputs(batch, s_q, s_k, heads):
     return ternary(s_q), ternary(s_k), torch.randn(batch, s_k, heads, 128, device="cuda", dtype=torch.bfloat16)
 
 
-def _run_poisoned(q, k, v, window=4) -> torch.Tensor:
+def _run_poisoned(q, k, v, window=4, split_tail=True) -> torch.Tensor:
     """The forward kernel, on the PyTorch preparation, into a NaN-filled output: every element must be written."""
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
-    attention_prepared(prepare_reference(q, k, v), out, softmax_scale=q.shape[-1] ** -0.5, window=window)
+    prepared = prepare_reference(q, k, v)
+    attention_prepared(prepared, out, softmax_scale=q.shape[-1] ** -0.5, window=window, split_tail=split_tail)
     torch.cuda.synchronize()
     assert not out.isnan().any(), "output elements left unwritten"
     return out
@@ -98,7 +103,23 @@ def test_matches_reference_on_random_inputs(batch, seq, heads):
     q, k, v = _inputs(batch, seq, seq, heads)
     out = _run_poisoned(q, k, v)
     _assert_matches(out, q, k, v)
-    assert _rel_l2(out, reference_attention(q, k, v)) <= REL_L2_EXACT_SUMS
+    assert _rel_l2(out, reference_attention(q, k, v, sm_count=sm_count(q.device))) <= REL_L2_EXACT_SUMS
+
+
+@pytest.mark.parametrize("batch,seq,heads", [(2, 4096, 1), (1, 6144, 3), (1, 2500, 2)])
+def test_tail_split_matches_reference(batch, seq, heads):
+    """On an H200: every unit in 2 pieces of 16 tiles; the last 12 units in 3 pieces of 16; 40 units whose pieces
+    would be too short (none split). 32,760 x 12 (3 pieces of 85) runs in test_matches_reference_on_exact_scores.
+    The merged output against the reference that splits alike, the unsplit kernel against the one that does not,
+    and repeated split calls bitwise identical (pieces merge in order, whichever finishes last)."""
+    q, k, v = _inputs(batch, seq, seq, heads)
+    units, key_tiles = batch * heads * num_blocks(seq), num_blocks(seq)
+    split = _run_poisoned(q, k, v)
+    _assert_matches(split, q, k, v)
+    _assert_matches(_run_poisoned(q, k, v, split_tail=False), q, k, v, sm_count=None)
+    if plan_tail_split(units, key_tiles, sm_count(q.device)).splits > 1:
+        for _ in range(3):
+            assert torch.equal(_run_poisoned(q, k, v), split)
 
 
 @pytest.mark.parametrize("window", [None, 0, 1, 4, 100])
@@ -135,7 +156,7 @@ def test_complete_call_matches_reference():
 
 
 def test_cuda_graph_replay_after_inputs_change():
-    q, k, v = _inputs(2, 3000, 3000, 4)
+    q, k, v = _inputs(1, 4100, 4100, 2)  # 66 units on 132 SMs: split in two, counters zeroed on every replay
     attention(q, k, v)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -1,4 +1,5 @@
-"""FP8 ExpCast attention forward for Hopper (sm_90a): one CTA per (128-row query tile, head, batch).
+"""FP8 ExpCast attention forward for Hopper (sm_90a): one CTA per unit (128-row query tile, head, batch), or per
+piece of a unit in the last wave (the tail split, ``kernels/split.py``; merged in ``pieces.py``).
 
 Roles: warpgroup 0 is the producer (its warp 0 issues every TMA load, K(i + 1) ahead of V(i));
 warpgroups 1 and 2 are consumers, 64 query rows each, sharing the query tile's Q descale. Per key
@@ -14,7 +15,10 @@ Shared memory (FP8 bytes, 128B-swizzled, K-major rows of 128 bytes):
 Global inputs (all FP8 as uint8 bytes): q8 (B, H, Sq_pad, 128), k8 (B, H, Sk_pad + R, 128); packed V
 (B, H, 136, Sk_pad + R); descales d_q (B, H, n_q), d_k (B, H, n_k), d_v (B, H), d_k_repair (B, H, R) for the
 R = 128 * repair_tiles V-repair keys after the real ones (visited last, on the final anchor, ones rows 0);
-output (B, S, H, 128) bf16.
+output (B, S, H, 128) bf16; the split's workspace (``pieces.py``).
+
+Grid: one dimension, units in (query tile, head, batch) order, the last ones split: CTA c < whole_units runs unit
+c, CTA whole_units + t runs piece t % splits of unit whole_units + t // splits.
 """
 
 import cuda.bindings.driver as cuda
@@ -30,7 +34,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..quant import BLOCK
 from ..wgmma import PV_PROMOTE_EVERY
-from . import softmax
+from . import pieces, softmax
 from .layout import HEAD_DIM, PV_N
 
 FP8 = cutlass.Float8E4M3FN
@@ -118,13 +122,19 @@ class ExpCastAttentionSm90:
         d_v: cute.Tensor,
         d_k_repair: cute.Tensor,
         out: cute.Tensor,
+        piece_sums: cute.Tensor,
+        piece_anchors: cute.Tensor,
+        arrivals: cute.Tensor,
         codes_per_score: Float32,
         seqlen_k: Int32,
         window: Int32,
         repair_tiles: Int32,
+        whole_units: Int32,
+        splits: Int32,
         stream: cuda.CUstream,
     ):
-        """``codes_per_score`` is ``fp32(softmax_scale * 8 log2 e)``; the kernel multiplies in d_q."""
+        """``codes_per_score`` is ``fp32(softmax_scale * 8 log2 e)``; the kernel multiplies in d_q. The units after
+        ``whole_units`` run ``splits`` pieces each (``split.plan_tail_split``; never with repair tiles)."""
         mQ, mK, mV = [_as_fp8_tma_view(t) for t in (q8, k8, v_packed)]
         sQ_layout = _smem_layout(TILE_M)
         sK_layout = _smem_layout(TILE_N, self.kv_stages)
@@ -157,20 +167,24 @@ class ExpCastAttentionSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            arrivals_seen: cute.struct.MemRange[Int32, CONSUMER_WGS]
             sQ: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sQ_layout)], SMEM_ALIGN]
             sK: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sK_layout)], SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sV_layout)], SMEM_ALIGN]
 
         n_q_tiles = q8.shape[2] // TILE_M
+        units = n_q_tiles * q8.shape[1] * q8.shape[0]
+        # Divisors for the CTA's unit and piece, by multiply and shift (an integer division would convert).
+        divisors = [cute.fast_divmod_create_divisor_v2(x) for x in (n_q_tiles, q8.shape[1], splits)]
         self.kernel(
-            mQ, mK, mV, d_q, d_k, d_v, d_k_repair, out,
+            mQ, mK, mV, d_q, d_k, d_v, d_k_repair, out, piece_sums, piece_anchors, arrivals,
             tma_q, tma_k, tma_v,
-            codes_per_score, seqlen_k, window, repair_tiles,
+            codes_per_score, seqlen_k, window, repair_tiles, whole_units, *divisors,
             sQ_layout, sK_layout, sV_layout,
             tiled_mma_qk, tiled_mma_pv,
             SharedStorage,
         ).launch(
-            grid=[n_q_tiles, q8.shape[1], q8.shape[0]],
+            grid=[whole_units + (units - whole_units) * splits, 1, 1],
             block=[WG_THREADS * (1 + CONSUMER_WGS), 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -187,6 +201,9 @@ class ExpCastAttentionSm90:
         d_v: cute.Tensor,
         d_k_repair: cute.Tensor,
         out: cute.Tensor,
+        piece_sums: cute.Tensor,
+        piece_anchors: cute.Tensor,
+        arrivals: cute.Tensor,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -194,6 +211,10 @@ class ExpCastAttentionSm90:
         seqlen_k: Int32,
         window: Int32,
         repair_tiles: Int32,
+        whole_units: Int32,
+        n_q_tiles: cute.FastDivmodDivisorV2,
+        heads: cute.FastDivmodDivisorV2,
+        splits: cute.FastDivmodDivisorV2,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -223,8 +244,17 @@ class ExpCastAttentionSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
-        m_block, head, batch = cute.arch.block_idx()
+        # Which unit, and which of its pieces: steps [first, first + n_real) of its visiting order.
         n_k = (seqlen_k + TILE_N - 1) // TILE_N
+        unit = cute.arch.block_idx()[0]
+        piece, n_pieces, first, n_real = Int32(0), Int32(1), Int32(0), n_k
+        if unit >= whole_units:
+            split_unit, piece = divmod(unit - whole_units, splits)
+            unit, n_pieces = whole_units + split_unit, splits.divisor
+            first = piece * n_k // splits
+            n_real = (piece + 1) * n_k // splits - first
+        pair, m_block = divmod(unit, n_q_tiles)
+        batch, head = divmod(pair, heads)
         start = n_k - 1
         if const_expr(not self.plain_order):
             start = cutlass.min(m_block + window, n_k - 1)
@@ -236,16 +266,19 @@ class ExpCastAttentionSm90:
                 self.load(
                     mQ[None, None, head, batch], mK[None, None, head, batch],
                     mV[None, None, head, batch], sQ, sK, sV, tma_q, tma_k, tma_v,
-                    pipeline_q, pipeline_k, pipeline_v, m_block, n_k, start, repair_tiles,
+                    pipeline_q, pipeline_k, pipeline_v, m_block, (first, n_real, start, n_k), repair_tiles,
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             tidx = cute.arch.thread_idx()[0] - WG_THREADS
+            slot = (unit - whole_units) * n_pieces  # the unit's first piece slot, if it is split
             self.consume(
                 sQ, sK, sV, d_q[batch, head, None], d_k[batch, head, None], d_v[batch, head],
                 d_k_repair[batch, head, None], out[batch, None, head, None], tiled_mma_qk, tiled_mma_pv,
-                pipeline_q, pipeline_k, pipeline_v, tidx, m_block, n_k, start,
+                pipeline_q, pipeline_k, pipeline_v, tidx, m_block, (first, n_real, start, n_k),
                 codes_per_score, seqlen_k, repair_tiles,
+                (piece, n_pieces, slot, piece_sums, piece_anchors, arrivals[unit - whole_units, None],
+                 storage.arrivals_seen.get_tensor(cute.make_layout(CONSUMER_WGS))),
             )
 
     @cute.jit
@@ -259,12 +292,13 @@ class ExpCastAttentionSm90:
         return j
 
     @cute.jit
-    def kv_index(self, i: Int32, start: Int32, n_k: Int32) -> Int32:
-        """The K/V tile the i-th step loads: the visiting order over the real tiles, then the repair tiles."""
-        j = i
-        if i < n_k:
-            j = self.tile_at(i, start, n_k)
-        return j
+    def kv_index(self, j: Int32, steps) -> Int32:
+        """The K/V tile a CTA's step j loads: its steps of the visiting order, then the repair tiles."""
+        first, n_real, start, n_k = steps
+        tile = n_k + j - n_real
+        if j < n_real:
+            tile = self.tile_at(first + j, start, n_k)
+        return tile
 
     @cute.jit
     def load(
@@ -282,11 +316,10 @@ class ExpCastAttentionSm90:
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
         m_block: Int32,
-        n_k: Int32,
-        start: Int32,
+        steps,
         repair_tiles: Int32,
     ):
-        """Producer warp: Q once, then K(i + 1) ahead of V(i), the order the consumers wait in; the repair
+        """Producer warp: Q once, then K(j + 1) ahead of V(j), the order the consumers wait in; the repair
         tiles (after the real ones in k8 and packed V) come last."""
         gQ = cute.local_tile(gQ_all, (TILE_M, HEAD_DIM), (m_block, 0))
         gK = cute.local_tile(gK_all, (TILE_N, HEAD_DIM), (None, 0))
@@ -307,14 +340,14 @@ class ExpCastAttentionSm90:
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-        n_steps = n_k + repair_tiles
-        _tma_load(pipeline_k, tma_k, tKgK[None, self.kv_index(0, start, n_k)], tKsK, state)
-        for i in cutlass.range(1, n_steps, unroll=1):
+        n_steps = steps[1] + repair_tiles
+        _tma_load(pipeline_k, tma_k, tKgK[None, self.kv_index(0, steps)], tKsK, state)
+        for j in cutlass.range(1, n_steps, unroll=1):
             prev = state.clone()
             state.advance()
-            _tma_load(pipeline_k, tma_k, tKgK[None, self.kv_index(i, start, n_k)], tKsK, state)
-            _tma_load(pipeline_v, tma_v, tVgV[None, self.kv_index(i - 1, start, n_k)], tVsV, prev)
-        _tma_load(pipeline_v, tma_v, tVgV[None, self.kv_index(n_steps - 1, start, n_k)], tVsV, state)
+            _tma_load(pipeline_k, tma_k, tKgK[None, self.kv_index(j, steps)], tKsK, state)
+            _tma_load(pipeline_v, tma_v, tVgV[None, self.kv_index(j - 1, steps)], tVsV, prev)
+        _tma_load(pipeline_v, tma_v, tVgV[None, self.kv_index(n_steps - 1, steps)], tVsV, state)
 
     @cute.jit
     def consume(
@@ -334,13 +367,14 @@ class ExpCastAttentionSm90:
         pipeline_v: pipeline.PipelineAsync,
         tidx: Int32,
         m_block: Int32,
-        n_k: Int32,
-        start: Int32,
+        steps,
         codes_per_score: Float32,
         seqlen_k: Int32,
         repair_tiles: Int32,
+        split,
     ):
-        """One consumer warpgroup: 64 query rows against every key tile and the repair tiles, then the epilogue."""
+        """One consumer warpgroup: 64 query rows against the CTA's key tiles and the repair tiles, then the
+        epilogue: the output, or for a piece its sums, and the merge if it is the unit's last."""
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wg_qk = tiled_mma_qk.get_slice(wg * WG_THREADS)
         wg_pv = tiled_mma_pv.get_slice(wg * WG_THREADS)
@@ -364,6 +398,7 @@ class ExpCastAttentionSm90:
         pending = cute.make_rmem_tensor((2,), Float32)  # O's rescale since the last promotion, per row
         pending.fill(1.0)
         s = softmax.mul_rn(codes_per_score, d_q[m_block])
+        first, n_real, start, n_k = steps
         last_tile = n_k - 1
         last_valid = seqlen_k - last_tile * TILE_N
 
@@ -371,7 +406,7 @@ class ExpCastAttentionSm90:
         pipeline_q.consumer_wait(q_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
 
-        tile = self.tile_at(0, start, n_k)
+        tile = self.tile_at(first, start, n_k)
         d_k_tile = d_k[tile]
         pipeline_k.consumer_wait(state)
         _gemm(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, state.index], True)
@@ -387,25 +422,34 @@ class ExpCastAttentionSm90:
                 cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=2 * WG_THREADS)
         mmas = (tiled_mma_qk, tiled_mma_pv, frag_q, frag_k, frag_v, frag_p, acc_s, acc_pv)
         sums = (scores, key_coords, m, anchor, alpha, pending, acc_o)
-        keys = (start, n_k, last_tile, last_valid, s, d_k, d_k_repair, wg)
-        for i in cutlass.range(1, n_k, unroll=1):
-            state = self.step(i, state, False, mmas, sums, (pipeline_k, pipeline_v), keys)
-        for i in cutlass.range(n_k, n_k + repair_tiles, unroll=1):
-            state = self.step(i, state, True, mmas, sums, (pipeline_k, pipeline_v), keys)
+        keys = (steps, last_tile, last_valid, s, d_k, d_k_repair, wg)
+        for j in cutlass.range(1, n_real, unroll=1):
+            state = self.step(j, state, False, mmas, sums, (pipeline_k, pipeline_v), keys)
+        for j in cutlass.range(n_real, n_real + repair_tiles, unroll=1):
+            state = self.step(j, state, True, mmas, sums, (pipeline_k, pipeline_v), keys)
 
         pipeline_v.consumer_wait(state)
-        fresh = (n_k + repair_tiles - 1) % self.promote_every == 0
+        fresh = (n_real + repair_tiles - 1) % self.promote_every == 0
         _gemm(tiled_mma_pv, acc_pv, frag_p, frag_v[None, None, None, state.index], fresh)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(state)
         alpha.fill(1.0)
         softmax.accumulate(acc_o, acc_pv, alpha, pending, True)
 
-        self.store(acc_o, thr_pv, d_v, out, m_block)
+        piece, n_pieces, slot, piece_sums, piece_anchors, arrivals, seen = split
+        if n_pieces == 1:
+            self.store(acc_o, thr_pv, d_v, out, m_block)
+        else:
+            coords = softmax.rows_view(thr_pv.partition_C(cute.make_identity_tensor((TILE_M, PV_N))))
+            own = slot + piece
+            pieces.write(acc_o, coords, anchor, piece_sums[own, None, None], piece_anchors[own, None])
+            if pieces.arrive(arrivals, seen, wg, tidx % WG_THREADS) == n_pieces - 1:
+                pieces.merge(acc_o, coords, piece_sums, piece_anchors, slot, n_pieces)
+                self.store(acc_o, thr_pv, d_v, out, m_block)
 
     @cute.jit
-    def step(self, i: Int32, state, repair: cutlass.Constexpr[bool], mmas, sums, pipes, keys):
-        """Step i: QK^T(i) and PV(i - 1) in flight together, then key tile i's softmax, then PV(i - 1)'s sum.
+    def step(self, j: Int32, state, repair: cutlass.Constexpr[bool], mmas, sums, pipes, keys):
+        """Step j: QK^T(j) and PV(j - 1) in flight together, then key tile j's softmax, then PV(j - 1)'s sum.
 
         A repair tile neither moves the max nor the anchor (alpha = 1): its keys encode on the final grid, each
         with its own K descale (the repair keys come from any block).
@@ -413,7 +457,7 @@ class ExpCastAttentionSm90:
         tiled_mma_qk, tiled_mma_pv, frag_q, frag_k, frag_v, frag_p, acc_s, acc_pv = mmas
         scores, key_coords, m, anchor, alpha, pending, acc_o = sums
         pipeline_k, pipeline_v = pipes
-        start, n_k, last_tile, last_valid, s, d_k, d_k_repair, wg = keys
+        (first, n_real, start, n_k), last_tile, last_valid, s, d_k, d_k_repair, wg = keys
         prev = state.clone()
         state.advance()
         pipeline_k.consumer_wait(state)
@@ -421,7 +465,7 @@ class ExpCastAttentionSm90:
             cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WG_THREADS)
         _gemm(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, state.index], True)
         pipeline_v.consumer_wait(prev)
-        fresh = (i - 1) % self.promote_every == 0
+        fresh = (j - 1) % self.promote_every == 0
         _gemm(tiled_mma_pv, acc_pv, frag_p, frag_v[None, None, None, prev.index], fresh)
         if const_expr(self.pingpong):
             cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + 1 - wg, number_of_threads=2 * WG_THREADS)
@@ -429,16 +473,16 @@ class ExpCastAttentionSm90:
         pipeline_k.consumer_release(state)
         if const_expr(repair):
             alpha.fill(1.0)
-            softmax.encode_per_key(scores, key_coords, anchor, s, d_k_repair, (i - n_k) * TILE_N)
+            softmax.encode_per_key(scores, key_coords, anchor, s, d_k_repair, (j - n_real) * TILE_N)
         else:
-            tile = self.tile_at(i, start, n_k)
+            tile = self.tile_at(first + j, start, n_k)
             softmax.online_codes(
                 scores, key_coords, tile == last_tile, last_valid, m, anchor, alpha, s, d_k[tile], False
             )
         # frag_p and acc_pv belong to the PV wgmma until it retires.
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(prev)
-        softmax.accumulate(acc_o, acc_pv, alpha, pending, i % self.promote_every == 0)
+        softmax.accumulate(acc_o, acc_pv, alpha, pending, j % self.promote_every == 0)
         softmax.pack_codes(acc_s, frag_p)
         return state
 
