@@ -112,7 +112,8 @@ def _split_workspace(plan: TailSplit, device: torch.device) -> tuple[torch.Tenso
     slots, split_units = max(plan.split_units * plan.splits, 1), max(plan.split_units, 1)
     sums = torch.empty(slots, BLOCK, PV_N, dtype=torch.float32, device=device)
     anchors = torch.empty(slots, BLOCK, dtype=torch.float32, device=device)
-    return sums, anchors, torch.zeros(split_units, 2, dtype=torch.int32, device=device)
+    arrivals = torch.zeros(split_units, 2, dtype=torch.int32, device=device)  # one per consumer warpgroup
+    return sums, anchors, arrivals
 
 
 def attention_prepared(
@@ -187,8 +188,9 @@ def attention(
     (``None``: plain order); ``smooth_k`` subtracts K's per-channel mean before quantizing; ``repair_ratio`` rho
     of V residual repair (``round(rho * S)`` extra keys per head, 0 = none) ranked by ``repair_ranking``
     ("attention" or "energy", as in ``reference_attention``). Matches
-    ``reference_attention(..., accumulation="wgmma")`` to rel-L2 1e-3 (FP32 order and the rescale's MUFU
-    exponential); the exact-sum reference differs by ~4e-3 (the FP8 wgmma's 14-bit sums move a few codes).
+    ``reference_attention(..., accumulation="wgmma", sm_count=ops.sm_count(device))`` (the tail split, ``split.py``)
+    to rel-L2 1e-3 (FP32 order and the MUFU exponentials); the exact-sum reference differs by ~4e-3 (the FP8
+    wgmma's 14-bit sums move a few codes).
     """
     check_attention_args(
         q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking,
