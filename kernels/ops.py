@@ -108,11 +108,13 @@ def sm_count(device: torch.device) -> int:
 
 def _split_workspace(plan: TailSplit, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pieces' sums, anchors and arrival counters (zeroed) for ``plan`` (``sm90/pieces.py``); without a
-    split the kernel never reads them: compact one-element stand-ins, never empty tensors."""
-    slots, split_units = max(plan.split_units * plan.splits, 1), max(plan.split_units, 1)
+    split the kernel never reads them: compact one-slot stand-ins, never empty tensors, and nothing zeroed."""
+    split = plan.splits > 1
+    slots, split_units = (plan.split_units * plan.splits, plan.split_units) if split else (1, 1)
     sums = torch.empty(slots, BLOCK, PV_N, dtype=torch.float32, device=device)
     anchors = torch.empty(slots, BLOCK, dtype=torch.float32, device=device)
-    arrivals = torch.zeros(split_units, 2, dtype=torch.int32, device=device)  # one per consumer warpgroup
+    # One counter per consumer warpgroup of each split unit.
+    arrivals = (torch.zeros if split else torch.empty)(split_units, 2, dtype=torch.int32, device=device)
     return sums, anchors, arrivals
 
 

@@ -106,20 +106,23 @@ def test_matches_reference_on_random_inputs(batch, seq, heads):
     assert _rel_l2(out, reference_attention(q, k, v, sm_count=sm_count(q.device))) <= REL_L2_EXACT_SUMS
 
 
-@pytest.mark.parametrize("batch,seq,heads", [(2, 4096, 1), (1, 6144, 3), (1, 2500, 2)])
-def test_tail_split_matches_reference(batch, seq, heads):
+@pytest.mark.parametrize(
+    "batch,seq,heads,window", [(2, 4096, 1, 4), (2, 4096, 1, None), (1, 6144, 3, 4), (1, 2500, 2, 4)]
+)
+def test_tail_split_matches_reference(batch, seq, heads, window):
     """On an H200: every unit in 2 pieces of 16 tiles; the last 12 units in 3 pieces of 16; 40 units whose pieces
-    would be too short (none split). 32,760 x 12 (3 pieces of 85) runs in test_matches_reference_on_exact_scores.
+    would be too short (none split); the first also in plain order. 32,760 x 12 (3 pieces of 85) runs in
+    test_matches_reference_on_exact_scores.
     The merged output against the reference that splits alike, the unsplit kernel against the one that does not,
     and repeated split calls bitwise identical (pieces merge in order, whichever finishes last)."""
     q, k, v = _inputs(batch, seq, seq, heads)
     units, key_tiles = batch * heads * num_blocks(seq), num_blocks(seq)
-    split = _run_poisoned(q, k, v)
-    _assert_matches(split, q, k, v)
-    _assert_matches(_run_poisoned(q, k, v, split_tail=False), q, k, v, sm_count=None)
+    split = _run_poisoned(q, k, v, window)
+    _assert_matches(split, q, k, v, window=window)
+    _assert_matches(_run_poisoned(q, k, v, window, split_tail=False), q, k, v, window=window, sm_count=None)
     if plan_tail_split(units, key_tiles, sm_count(q.device)).splits > 1:
         for _ in range(3):
-            assert torch.equal(_run_poisoned(q, k, v), split)
+            assert torch.equal(_run_poisoned(q, k, v, window), split)
 
 
 @pytest.mark.parametrize("window", [None, 0, 1, 4, 100])
