@@ -4,10 +4,11 @@ It follows the kernel step by step, with the kernel's names (``d_q``, ``d_k``, `
 ``codes``, ``l``): quantize, then for every 128-row query tile visit the 128-key tiles in mid-window order,
 keep the running max on the K-descaled score, encode each score with ExpCast on an integer-anchored code
 grid, rescale earlier accumulators whenever the anchor moves, sum the decoded codes into both the
-numerator and the denominator, visit V-repair rows last (numerator only), and divide.
+numerator and the denominator, visit V-repair rows last (numerator only), and divide. Query tiles the kernel
+splits (``split.py``, given ``sm_count``) run as its pieces do and merge as it merges them.
 All query tiles advance together (one batched matmul per visiting step), so S = 4096 runs in about a second
 on two CPU cores. Rounding can differ from the kernel only in FP32 accumulation order and in the MUFU
-exponential of the rescale, so codes agree except at rare rounding ties.
+exponentials of the rescale and the merge, so codes agree except at rare rounding ties.
 """
 
 import math
