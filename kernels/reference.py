@@ -111,9 +111,9 @@ def _visit(
     repair: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's loop for units (query tiles) ``q`` (u, 128, D) with codes per score ``s`` (u, 1) and key
-    pairs ``bh`` (u,) over the steps ``steps`` of their visiting ``order`` (u, n_k), then, with ``repair``,
-    the repair tiles on the final anchor (numerator only). Returns the unnormalised sums ``acc`` (u, 128, D),
-    ``l`` (u, 128) and the final ``anchor`` (u, 128)."""
+    pairs ``bh`` (u,) over the steps ``steps`` of their visiting ``order`` (u, n_k), then, with ``repair`` (the
+    keys have repair tiles), the repair tiles on the final anchor (numerator only). Returns the unnormalised sums
+    ``acc`` (u, 128, D), ``l`` (u, 128) and the final ``anchor`` (u, 128)."""
     dot = wgmma_e4m3_dot if like_wgmma else lambda a, b: a @ b.transpose(-1, -2)
     m = torch.full(q.shape[:2], -math.inf, device=q.device)
     anchor = None
@@ -146,7 +146,7 @@ def _visit(
         else:
             acc += p @ keys.v[bh, tile]
             l += p.sum(dim=-1)
-    for j in range(keys.repair_k.shape[1] if repair and keys.repair_k is not None else 0):
+    for j in range(keys.repair_k.shape[1] if repair else 0):
         # Each repair tile is one more step of the PV chain; zero keys pad the last (zero V adds nothing).
         if like_wgmma and (len(steps) + j) % PV_PROMOTE_EVERY == 0:
             acc, l, pending = _promote(acc, l, pv, pending)
@@ -235,7 +235,7 @@ def reference_attention(
     order = visiting_order(n_q, n_k, window).to(q.device).repeat(pairs, 1)
     plan = plan_tail_split(units, n_k, sm_count, repair=count > 0)
     whole = slice(0, plan.whole_units)
-    acc, l, _ = _visit(q_units[whole], s[whole], bh[whole], order[whole], range(n_k), keys, like_wgmma, True)
+    acc, l, _ = _visit(q_units[whole], s[whole], bh[whole], order[whole], range(n_k), keys, like_wgmma, count > 0)
     if plan.splits > 1:
         tail = slice(plan.whole_units, units)
         tail_units = (q_units[tail], s[tail], bh[tail], order[tail])
