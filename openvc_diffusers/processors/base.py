@@ -8,8 +8,8 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-from ..attention import run
-from ..config import load_config
+from ..attention import run, warn_once
+from ..config import format_indices, load_config
 from ..parallel import heads_to_sequence, sequence_to_heads, ulysses_group
 from ..policy import SDPA, Call, decide
 
@@ -43,9 +43,11 @@ _PROCESSORS: weakref.WeakSet["OpenVCProcessorBase"] = weakref.WeakSet()
 @torch.compiler.disable
 def count_compiled_calls(*hook_args) -> None:
     """Forward pre-hook (``apply`` installs it): add the calls of the compiled forwards since the last one to each
-    processor's ``calls``, so that every compiled forward starts with none pending."""
+    processor's ``calls``, so that every compiled forward starts with none pending; and check ``bf16_layers``
+    against the numbered layers."""
     for processor in _PROCESSORS:
         processor._count_compiled_calls()
+        processor.check_bf16_layers()  # a compiled forward numbers the layers while tracing, out of sight of _layer
 
 
 class OpenVCProcessorBase:
@@ -69,6 +71,7 @@ class OpenVCProcessorBase:
         self._layers: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
         self._calls: Counter[tuple[str, str]] = Counter()
         self._compiled_calls: dict[tuple[str, str], int] = {}
+        self._bf16_layers_checked = False
         _PROCESSORS.add(self)
 
     @property
@@ -95,7 +98,31 @@ class OpenVCProcessorBase:
         self._compiled_calls.clear()
 
     def _layer(self, attn: torch.nn.Module) -> int:
+        if not torch.compiler.is_compiling() and attn in self._layers:
+            self.check_bf16_layers()  # a layer runs again: every layer is numbered
         return self._layers.setdefault(attn, len(self._layers))
+
+    def check_bf16_layers(self) -> None:
+        """Once the layers are numbered, warn (once) about ``bf16_layers`` past the model's last layer: entries
+        that match no call, most likely written for another model."""
+        if self._bf16_layers_checked or not self._layers:
+            return
+        self._bf16_layers_checked = True
+        count = len(self._layers)
+        past = [layer for layer in self.config.bf16_layers if layer >= count]
+        if past:
+            warn_once(
+                f"Open-VC: bf16_layers {format_indices(past)} are past this model's {count} self-attention layers "
+                f"(0-{count - 1}); those entries match no call"
+            )
+
+    def _check_step_tracking(self) -> None:
+        if self.config.bf16_steps and self.step_tracker is None:
+            raise RuntimeError(
+                f"bf16_steps [{format_indices(self.config.bf16_steps)}] needs denoising-step tracking, which "
+                "openvc_diffusers.apply(pipe, config) installs; this processor was installed without it "
+                "(set_attn_processor alone), so it cannot tell the steps apart"
+            )
 
     def _attend(
         self,
@@ -119,6 +146,7 @@ class OpenVCProcessorBase:
         Under Ulysses (``_parallel_config`` set) self-attention exchanges sequence shards for head shards first and
         back after; cross-attention needs no exchange: each rank's query shard attends to the whole context.
         """
+        self._check_step_tracking()
         sharded = self._parallel_config is not None and not is_cross
         if sharded:
             if attn_mask is not None:
@@ -131,7 +159,7 @@ class OpenVCProcessorBase:
         has_mask = attn_mask is not None and not trim
         # watched_step, not step: a guard on the step would recompile a compiled model at every step.
         step = None if self.step_tracker is None else self.step_tracker.watched_step
-        call = Call(q_seen, is_cross=is_cross, has_mask=has_mask, layer=layer, step=step)
+        call = Call(q_seen, k, v, is_cross=is_cross, has_mask=has_mask, layer=layer, step=step)
         decision = decide(self.config, call)
         self._count("cross" if is_cross else "self", decision.backend)
         if trim and decision.backend != SDPA:
