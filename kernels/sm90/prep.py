@@ -502,8 +502,9 @@ def prepare(
     """Quantize ``(B, S, H, 128)`` fp16/bf16 CUDA tensors q, k, v for the sm90 kernel, on the current stream.
 
     Byte-identical to ``layout.prepare_reference`` with the same options (the descale guards of
-    ``quant.apply_descale_guards`` included; ``softmax_scale`` defaults to ``1 / sqrt(128)``), except that the repair tokens are
-    ranked by residual energies summed in another order (the choice can differ where two tokens nearly tie).
+    ``quant.apply_descale_guards`` included; ``softmax_scale`` defaults to ``1 / sqrt(128)``), except that the
+    repair tokens are ranked by residual energies summed in another order (the choice can differ where two tokens
+    nearly tie).
     Arguments are checked by the caller (``validation``, ``support``): same device, dtype, batch and heads.
     """
     batch, seq_q, heads, _ = q.shape
