@@ -28,7 +28,7 @@ def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def main() -> None:
-    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), driver CUDA {torch.cuda.driver_version()}")
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), {torch.cuda.get_device_name()}")
     print(f"DSL flavor: {dsl_flavor()}")
     q, k, v = (torch.randn(2, 4096, 3, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     start = time.perf_counter()

@@ -6,7 +6,8 @@ reduction: it needs the whole sequence) is subtracted inside the K launch.
 Inputs are diffusers' ``(B, S, H, 128)`` fp16/bf16, any strides whose head-dim stride is 1 and the others
 multiples of 8 elements (16 bytes); anything else is copied once by ``prepare``.
 
-Four launches, stream-ordered, no host synchronisation, capturable in a CUDA graph:
+Four launches, stream-ordered, no host synchronisation, capturable in a CUDA graph (then the descale guards,
+``quant.apply_descale_guards``, a few small PyTorch ops on the descales):
 
   QuantizePerBlock (Q)  x (B, S, H, 128)  -> x8 (B, H, S_pad, 128) E4M3, d (B, H, n_blocks)
   QuantizePerBlock (K)  same, optionally minus the channel mean (B, H, 128)
@@ -456,13 +457,14 @@ def prepare_into(
     *,
     smooth_k: bool = False,
     residual_energy: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
 ) -> Prepared:
-    """``prepare``'s real keys into the buffers of ``out`` (from ``empty_prepared``); returns ``out``.
+    """``prepare``'s real keys into the buffers of ``out`` (from ``empty_prepared``), descale guards applied
+    (``quant.apply_descale_guards``, for ``softmax_scale``, default ``1 / sqrt(128)``); returns ``out``.
     ``residual_energy`` (B, H, S_k) fp32, where given, receives ``quant.residual_energy`` of every token.
 
-    Four launches on the current stream; the only allocations (the V absmax accumulator, zeroed by torch, and
-    with ``smooth_k`` K's channel mean) come before them, and nothing waits on the host, so a call can be
-    captured in a CUDA graph.
+    Four launches on the current stream, then the guards' few small PyTorch ops on the descales; nothing waits
+    on the host, so a call can be captured in a CUDA graph.
     """
     mean_k = channel_mean(k.transpose(1, 2)).squeeze(2).contiguous() if smooth_k else None  # the reference's reduction
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
@@ -474,6 +476,11 @@ def prepare_into(
     quantize_k(k, out.k8[:, :, :s_pad], out.d_k, mean_k)
     absmax_v(v, amax_v)
     pack(v, amax_v, out.v_packed[..., :s_pad], out.d_v, residual_energy)
+    d_q, d_v = apply_descale_guards(
+        out.d_q, out.d_k, out.d_v, softmax_scale_or_default(softmax_scale, HEAD_DIM), head_dim=HEAD_DIM
+    )
+    out.d_q.copy_(d_q)
+    out.d_v.copy_(d_v)
     return out
 
 
@@ -512,11 +519,7 @@ def prepare(
     count = repair_count(seq_k, repair_ratio)
     out = empty_prepared(batch, seq_q, seq_k, heads, q.device, repair_keys=num_blocks(count) * BLOCK)
     energy = torch.empty(batch, heads, seq_k, dtype=torch.float32, device=q.device) if count else None
-    prepare_into(q, k, v, out, smooth_k=smooth_k, residual_energy=energy)
-    tau = softmax_scale_or_default(softmax_scale, HEAD_DIM)
-    d_q, d_v = apply_descale_guards(out.d_q, out.d_k, out.d_v, tau, head_dim=HEAD_DIM)
-    out.d_q.copy_(d_q)
-    out.d_v.copy_(d_v)
+    prepare_into(q, k, v, out, smooth_k=smooth_k, residual_energy=energy, softmax_scale=softmax_scale)
     if count:
         tokens = choose_repair_tokens(energy, count, q, k, ranking=repair_ranking, softmax_scale=softmax_scale)
         write_repair_rows(out, v, tokens)
