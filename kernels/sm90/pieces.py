@@ -14,7 +14,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ..split import LOG2_PER_CODE
+from ..expcast import LOG2_PER_CODE
 from .softmax import rows_view
 
 MERGE_BARRIER = 3

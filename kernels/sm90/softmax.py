@@ -19,10 +19,7 @@ from cutlass import Float32, Int32, Uint32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ..expcast import CODE_UNIT, EXPCAST_BIAS, MAX_CODE
-
-LOG2_PER_CODE = 0.125
-"""One code step is 1/8 octave: moving the anchor by k codes scales probabilities by 2^(k/8)."""
+from ..expcast import CODE_UNIT, EXPCAST_BIAS, LOG2_PER_CODE, MAX_CODE
 
 
 def ptx(result_type, operands: list, instruction: str, constraints: str):
