@@ -35,6 +35,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ..quant import BLOCK
 from ..wgmma import PV_PROMOTE_EVERY
 from . import pieces, softmax
+from .barriers import NamedBarrier
 from .layout import HEAD_DIM, PV_N
 
 FP8 = cutlass.Float8E4M3FN
@@ -50,8 +51,6 @@ CONSUMER_REGS = 240
 KV_STAGES = 3
 SMEM_ALIGN = 1024
 """The 128B swizzle pattern repeats every 1024 bytes; each buffer starts on one."""
-SCHEDULER_BARRIER = 1
-"""Named barriers 1 and 2 (0 is __syncthreads): consumer warpgroup w waits on 1 + w to issue its wgmmas."""
 
 
 def _smem_layout(rows: int, stages: int | None = None):
@@ -419,7 +418,7 @@ class ExpCastAttentionSm90:
 
         if const_expr(self.pingpong):
             if wg == 0:
-                cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=2 * WG_THREADS)
+                cute.arch.barrier_arrive(barrier_id=NamedBarrier.SCHEDULER, number_of_threads=2 * WG_THREADS)
         mmas = (tiled_mma_qk, tiled_mma_pv, frag_q, frag_k, frag_v, frag_p, acc_s, acc_pv)
         sums = (scores, key_coords, m, anchor, alpha, pending, acc_o)
         keys = (steps, last_tile, last_valid, s, d_k, d_k_repair, wg)
@@ -462,13 +461,13 @@ class ExpCastAttentionSm90:
         state.advance()
         pipeline_k.consumer_wait(state)
         if const_expr(self.pingpong):
-            cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WG_THREADS)
+            cute.arch.barrier(barrier_id=NamedBarrier.SCHEDULER + wg, number_of_threads=2 * WG_THREADS)
         _gemm(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, state.index], True)
         pipeline_v.consumer_wait(prev)
         fresh = (j - 1) % self.promote_every == 0
         _gemm(tiled_mma_pv, acc_pv, frag_p, frag_v[None, None, None, prev.index], fresh)
         if const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + 1 - wg, number_of_threads=2 * WG_THREADS)
+            cute.arch.barrier_arrive(barrier_id=NamedBarrier.SCHEDULER + 1 - wg, number_of_threads=2 * WG_THREADS)
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(state)
         if const_expr(repair):
