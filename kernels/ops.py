@@ -7,56 +7,51 @@ repeated calls. ``torch.ops.openvc.attention`` is the registered custom op (with
 """
 
 import functools
-import os
 
 import torch
 
-from .expcast import CODES_PER_NAT
-from .sm90.layout import HEAD_DIM, PV_N, Prepared
 from .compile_cache import load_or_compile
+from .expcast import CODES_PER_NAT
+from .sm90.layout import PV_N, Prepared
+from .sm90.target import default_to_sm90, row_major_fake
 from .quant import BLOCK, num_blocks, softmax_scale_or_default
 from .split import TailSplit, plan_tail_split
 from .forward_only import raise_on_backward
-from .support import KERNEL_DTYPES, KernelUnavailableError, input_unsupported_reason
+from .support import HEAD_DIM, KERNEL_DTYPES, KernelUnavailableError, input_unsupported_reason
 from .validation import check_attention_args
 
 OUT_DTYPE = torch.bfloat16
 
 
 def compile_attention(plain_order: bool, **config):
-    """Compile the sm90 kernel for one visiting order; no GPU needed (set ``CUTE_DSL_ARCH=sm_90a``).
+    """Compile the sm90 kernel for one visiting order; no GPU needed (``CUTE_DSL_ARCH`` defaults to sm_90a).
 
     Shapes are symbolic: one compiled kernel serves every batch, head count and sequence length.
     ``config`` overrides ``ExpCastAttentionSm90``'s tuning knobs (kv_stages, pingpong).
     """
+    default_to_sm90()
     import cutlass
     import cutlass.cute as cute
 
     from .sm90.fwd import CONSUMER_WGS, TILE_M, TILE_N, ExpCastAttentionSm90
 
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     batch, heads = cute.sym_int(), cute.sym_int()
     s_q_pad, s_k_pad = cute.sym_int(divisibility=TILE_M), cute.sym_int(divisibility=TILE_N)
     n_q, n_k, s_q, n_r = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     slots, split_units = cute.sym_int(), cute.sym_int()
 
-    def row_major(dtype, shape, align):
-        return cute.runtime.make_fake_compact_tensor(
-            dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=align
-        )
-
     args = (
-        row_major(cutlass.Uint8, (batch, heads, s_q_pad, HEAD_DIM), 16),
-        row_major(cutlass.Uint8, (batch, heads, s_k_pad, HEAD_DIM), 16),
-        row_major(cutlass.Uint8, (batch, heads, PV_N, s_k_pad), 16),
-        row_major(cutlass.Float32, (batch, heads, n_q), 4),
-        row_major(cutlass.Float32, (batch, heads, n_k), 4),
-        row_major(cutlass.Float32, (batch, heads), 4),
-        row_major(cutlass.Float32, (batch, heads, n_r), 4),
-        row_major(cutlass.BFloat16, (batch, s_q, heads, HEAD_DIM), 16),
-        row_major(cutlass.Float32, (slots, TILE_M, PV_N), 16),
-        row_major(cutlass.Float32, (slots, TILE_M), 4),
-        row_major(cutlass.Int32, (split_units, CONSUMER_WGS), 4),
+        row_major_fake(cutlass.Uint8, (batch, heads, s_q_pad, HEAD_DIM), 16),
+        row_major_fake(cutlass.Uint8, (batch, heads, s_k_pad, HEAD_DIM), 16),
+        row_major_fake(cutlass.Uint8, (batch, heads, PV_N, s_k_pad), 16),
+        row_major_fake(cutlass.Float32, (batch, heads, n_q), 4),
+        row_major_fake(cutlass.Float32, (batch, heads, n_k), 4),
+        row_major_fake(cutlass.Float32, (batch, heads), 4),
+        row_major_fake(cutlass.Float32, (batch, heads, n_r), 4),
+        row_major_fake(cutlass.BFloat16, (batch, s_q, heads, HEAD_DIM), 16),
+        row_major_fake(cutlass.Float32, (slots, TILE_M, PV_N), 16),
+        row_major_fake(cutlass.Float32, (slots, TILE_M), 4),
+        row_major_fake(cutlass.Int32, (split_units, CONSUMER_WGS), 4),
         cutlass.Float32(1.0),
         cutlass.Int32(1),
         cutlass.Int32(0),

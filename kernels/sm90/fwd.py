@@ -33,10 +33,11 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from ..quant import BLOCK
+from ..support import HEAD_DIM
 from ..wgmma import PV_PROMOTE_EVERY
 from . import pieces, softmax
 from .barriers import NamedBarrier
-from .layout import HEAD_DIM, PV_N
+from .layout import PV_N
 
 FP8 = cutlass.Float8E4M3FN
 TILE_M = BLOCK
