@@ -21,6 +21,9 @@ Grid: one dimension, units in (query tile, head, batch) order, the last ones spl
 c, CTA whole_units + t runs piece t % splits of unit whole_units + t // splits.
 """
 
+import inspect
+from typing import NamedTuple
+
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -34,9 +37,9 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..quant import BLOCK
 from ..support import HEAD_DIM
-from ..wgmma import PV_PROMOTE_EVERY
 from . import pieces, softmax
 from .barriers import NamedBarrier
+from .config import ForwardConfig
 from .layout import PV_N
 
 FP8 = cutlass.Float8E4M3FN
@@ -49,7 +52,6 @@ CONSUMER_WGS = 2
 """Each consumer warpgroup owns 64 of the tile's rows (the wgmma M)."""
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-KV_STAGES = 3
 SMEM_ALIGN = 1024
 """The 128B swizzle pattern repeats every 1024 bytes; each buffer starts on one."""
 
@@ -94,22 +96,10 @@ def _tma_load(pipe: pipeline.PipelineAsync, atom: cute.CopyAtom, src: cute.Tenso
 
 
 class ExpCastAttentionSm90:
-    """Compile-time configuration: the visiting order (mid-window or plain), and tuning knobs the probes in
-    notes/ vary (KV pipeline depth, ping-pong, PV promotion interval); the defaults are the measured best."""
+    """The forward kernel of one ``ForwardConfig`` (visiting order and tuning knobs, fixed at compile time)."""
 
-    def __init__(
-        self, plain_order: bool = False, kv_stages: int = KV_STAGES, pingpong: bool = True,
-        promote_every: int = PV_PROMOTE_EVERY,
-    ):
-        self.plain_order = plain_order
-        self.kv_stages = kv_stages
-        # The FP8 wgmma adds into its accumulator with ~14 significant bits, so summing PV over all
-        # tiles in it drops small products. Every promote_every tiles its sum moves into FP32 registers.
-        self.promote_every = promote_every
-        # Ping-pong: the two consumer warpgroups take turns issuing their wgmmas, so one's softmax
-        # runs while the other's matrix products occupy the tensor cores. It pays once the codes are
-        # packed by FP16 conversion (+6%, notes/kernel.md); with the clip-and-PRMT packing it did not.
-        self.pingpong = pingpong
+    def __init__(self, config: ForwardConfig):
+        self.config = config
 
     @cute.jit
     def __call__(
@@ -137,8 +127,8 @@ class ExpCastAttentionSm90:
         ``whole_units`` run ``splits`` pieces each (``split.plan_tail_split``; never with repair tiles)."""
         mQ, mK, mV = [_as_fp8_tma_view(t) for t in (q8, k8, v_packed)]
         sQ_layout = _smem_layout(TILE_M)
-        sK_layout = _smem_layout(TILE_N, self.kv_stages)
-        sV_layout = _smem_layout(PV_N, self.kv_stages)
+        sK_layout = _smem_layout(TILE_N, self.config.kv_stages)
+        sV_layout = _smem_layout(PV_N, self.config.kv_stages)
         operand_k = cute.nvgpu.OperandMajorMode.K
         # Both warpgroups in one tiled MMA (atom layout 2 x 1): a warpgroup's slice is its 64 rows.
         tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
@@ -160,7 +150,7 @@ class ExpCastAttentionSm90:
         self.bytes_k = cute.size_in_bytes(FP8, cute.select(sK_layout, mode=[0, 1]))
         self.bytes_v = cute.size_in_bytes(FP8, cute.select(sV_layout, mode=[0, 1]))
 
-        stages = self.kv_stages
+        stages = self.config.kv_stages
 
         @cute.struct
         class SharedStorage:
@@ -236,8 +226,8 @@ class ExpCastAttentionSm90:
             consumer_group=consumers, tx_count=nbytes, defer_sync=True,
         )
         pipeline_q = make_pipeline(storage.mbar_q, 1, self.bytes_q)
-        pipeline_k = make_pipeline(storage.mbar_k, self.kv_stages, self.bytes_k)
-        pipeline_v = make_pipeline(storage.mbar_v, self.kv_stages, self.bytes_v)
+        pipeline_k = make_pipeline(storage.mbar_k, self.config.kv_stages, self.bytes_k)
+        pipeline_v = make_pipeline(storage.mbar_v, self.config.kv_stages, self.bytes_v)
         pipeline_init_arrive(is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -256,7 +246,7 @@ class ExpCastAttentionSm90:
         pair, m_block = divmod(unit, n_q_tiles)
         batch, head = divmod(pair, heads)
         start = n_k - 1
-        if const_expr(not self.plain_order):
+        if const_expr(not self.config.plain_order):
             start = cutlass.min(m_block + window, n_k - 1)
         pipeline_init_wait()
 
@@ -285,7 +275,7 @@ class ExpCastAttentionSm90:
     def tile_at(self, i: Int32, start: Int32, n_k: Int32) -> Int32:
         """The i-th key tile visited: mid-window ``start, ..., 0, n-1, ..., start+1``, or ``i``."""
         j = i
-        if const_expr(not self.plain_order):
+        if const_expr(not self.config.plain_order):
             j = start - i
             if j < 0:
                 j = j + n_k
@@ -339,7 +329,7 @@ class ExpCastAttentionSm90:
         pipeline_q.producer_acquire(q_state)
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.kv_stages)
         n_steps = steps[1] + repair_tiles
         _tma_load(pipeline_k, tma_k, tKgK[None, self.kv_index(0, steps)], tKsK, state)
         for j in cutlass.range(1, n_steps, unroll=1):
@@ -404,7 +394,7 @@ class ExpCastAttentionSm90:
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_q.consumer_wait(q_state)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.kv_stages)
 
         tile = self.tile_at(first, start, n_k)
         d_k_tile = d_k[tile]
@@ -417,7 +407,7 @@ class ExpCastAttentionSm90:
         )
         softmax.pack_codes(acc_s, frag_p)
 
-        if const_expr(self.pingpong):
+        if const_expr(self.config.pingpong):
             if wg == 0:
                 cute.arch.barrier_arrive(barrier_id=NamedBarrier.SCHEDULER, number_of_threads=2 * WG_THREADS)
         mmas = (tiled_mma_qk, tiled_mma_pv, frag_q, frag_k, frag_v, frag_p, acc_s, acc_pv)
@@ -429,7 +419,7 @@ class ExpCastAttentionSm90:
             state = self.step(j, state, True, mmas, sums, (pipeline_k, pipeline_v), keys)
 
         pipeline_v.consumer_wait(state)
-        fresh = (n_real + repair_tiles - 1) % self.promote_every == 0
+        fresh = (n_real + repair_tiles - 1) % self.config.promote_every == 0
         _gemm(tiled_mma_pv, acc_pv, frag_p, frag_v[None, None, None, state.index], fresh)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(state)
@@ -461,13 +451,13 @@ class ExpCastAttentionSm90:
         prev = state.clone()
         state.advance()
         pipeline_k.consumer_wait(state)
-        if const_expr(self.pingpong):
+        if const_expr(self.config.pingpong):
             cute.arch.barrier(barrier_id=NamedBarrier.SCHEDULER + wg, number_of_threads=2 * WG_THREADS)
         _gemm(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, state.index], True)
         pipeline_v.consumer_wait(prev)
-        fresh = (j - 1) % self.promote_every == 0
+        fresh = (j - 1) % self.config.promote_every == 0
         _gemm(tiled_mma_pv, acc_pv, frag_p, frag_v[None, None, None, prev.index], fresh)
-        if const_expr(self.pingpong):
+        if const_expr(self.config.pingpong):
             cute.arch.barrier_arrive(barrier_id=NamedBarrier.SCHEDULER + 1 - wg, number_of_threads=2 * WG_THREADS)
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(state)
@@ -482,7 +472,7 @@ class ExpCastAttentionSm90:
         # frag_p and acc_pv belong to the PV wgmma until it retires.
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(prev)
-        softmax.accumulate(acc_o, acc_pv, alpha, pending, j % self.promote_every == 0)
+        softmax.accumulate(acc_o, acc_pv, alpha, pending, j % self.config.promote_every == 0)
         softmax.pack_codes(acc_s, frag_p)
         return state
 
@@ -499,3 +489,12 @@ class ExpCastAttentionSm90:
             if row < seqlen_q:
                 for i in cutlass.range_constexpr(l_column):
                     out[row, coords[r, i][1]] = (rows[r, i] * scale).to(cutlass.BFloat16)
+
+
+ForwardArgs = NamedTuple(
+    "ForwardArgs",
+    [(name, p.annotation) for name, p in inspect.signature(ExpCastAttentionSm90.__call__).parameters.items()
+     if name not in ("self", "stream")],
+)
+"""The kernel's arguments before the stream, in ``__call__``'s order (its signature is their one home): ``ops``
+builds them by name, as fake tensors to compile and as torch tensors to call the compiled kernel."""
