@@ -226,9 +226,9 @@ def attention(
     of V residual repair (``round(rho * S)`` extra keys per head, 0 = none) ranked by ``repair_ranking``
     ("attention" or "energy", as in ``reference_attention``). Matches
     ``reference_attention(..., accumulation="wgmma", sm_count=ops.sm_count(device))`` (the tail split, ``split.py``)
-    to rel-L2 1e-3 (FP32 order and the MUFU exponentials); the exact-sum reference differs by ~4e-3 (the FP8
-    wgmma's 14-bit sums move a few codes). Forward-only: a backward through the output raises. Raises
-    ``ValueError`` for inputs the kernel cannot take and ``KernelUnavailableError`` (cause and fix) where its
+    to rel-L2 1e-3 (FP32 order and the MUFU exponentials); the exact-sum reference differs more (the FP8 wgmma's
+    14-bit sums move a few codes; measured in the README). Forward-only: a backward through the output raises.
+    Raises ``ValueError`` for inputs the kernel cannot take and ``KernelUnavailableError`` (cause and fix) where its
     packages are missing or it fails to compile.
     """
     check_attention_args(
