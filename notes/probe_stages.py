@@ -72,7 +72,7 @@ def main():
         for name, kernel in kernels.items():
             ms = do_bench(lambda kernel=kernel: kernel(*args), warmup=100, rep=600, return_mode="median")
             print(f"{seq}x{heads} {name:>14}: {ms:8.2f} ms {flop / ms / 1e9:7.0f} TFLOP/s", flush=True)
-        del q, k, v, p, out, args
+        del q, k, v, p, out
         torch.cuda.empty_cache()
 
 

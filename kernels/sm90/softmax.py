@@ -112,7 +112,9 @@ class ExpCastSoftmax:
         self.s = s
 
     @cute.jit
-    def online_codes(self, has_padding: cutlass.Boolean, valid_keys: Int32, d_k: Float32, is_first: cutlass.Constexpr[bool]):
+    def online_codes(
+        self, has_padding: cutlass.Boolean, valid_keys: Int32, d_k: Float32, is_first: cutlass.Constexpr[bool]
+    ):
         """One key tile's softmax step: mask padding keys, fold the max, move the anchor, encode in place."""
         if has_padding:
             self.mask_keys(valid_keys)
