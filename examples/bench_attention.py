@@ -36,8 +36,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from openvc_diffusers import cli
 from openvc_kernels import attention, attention_prepared, prepare
+from openvc_kernels.support import HEAD_DIM
 
-HEAD_DIM = 128
 SHAPES = "73397x7,32760x12,75600x40,118800x24"
 """MiniMax-H3 8-way Ulysses shard, Wan2.1-1.3B 480p, Wan 14B 720p, HunyuanVideo 720p (tokens x heads)."""
 INPUT_SETS = 2

@@ -17,10 +17,10 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from .sm90.target import ARCH, default_to_sm90
 from .support import REINSTALL, KernelUnavailableError, missing_package_reason
 
 CACHE_ENV = "OPENVC_KERNEL_CACHE"
-ARCH = "sm_90a"
 
 logger = logging.getLogger(__name__)
 _loaded: dict[str, Callable] = {}
@@ -61,7 +61,7 @@ def load_or_compile(name: str, compile_fn: Callable[[], Callable]) -> Callable:
     missing = missing_package_reason()
     if missing is not None:
         raise KernelUnavailableError(missing)
-    os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+    default_to_sm90()
     import cutlass.cute as cute
 
     path, symbol = kernel_path(name), f"openvc_{name}"

@@ -20,6 +20,9 @@ MAX_CODE = 120
 CODES_PER_NAT = 8.0 * math.log2(math.e)
 """Codes per unit of natural-log score: 8 codes per octave times log2(e)."""
 
+LOG2_PER_CODE = 0.125
+"""One code step is 1/8 octave: moving a row's anchor by k codes scales its probabilities (and sums) by 2^(k/8)."""
+
 CODE_UNIT = 2.0**-24
 """FP16's smallest subnormal. The kernel's FFMA writes a code c as c * 2^-24; converting that to FP16 rounds it to
 the subnormal grid (the RNE of the code) and leaves c as the FP16 word, so its low byte is the E4M3 byte."""

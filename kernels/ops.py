@@ -7,72 +7,65 @@ repeated calls. ``torch.ops.openvc.attention`` is the registered custom op (with
 """
 
 import functools
-import os
 
 import torch
 
-from .expcast import CODES_PER_NAT
-from .sm90.layout import HEAD_DIM, PV_N, Prepared
 from .compile_cache import load_or_compile
+from .expcast import CODES_PER_NAT
+from .sm90.config import ForwardConfig
+from .sm90.layout import PV_N, Prepared
+from .sm90.target import default_to_sm90, row_major_fake
 from .quant import BLOCK, num_blocks, softmax_scale_or_default
 from .split import TailSplit, plan_tail_split
 from .forward_only import raise_on_backward
-from .support import KERNEL_DTYPES, KernelUnavailableError, input_unsupported_reason
+from .support import HEAD_DIM, KERNEL_DTYPES, KernelUnavailableError, input_unsupported_reason
 from .validation import check_attention_args
 
 OUT_DTYPE = torch.bfloat16
 
 
-def compile_attention(plain_order: bool, **config):
-    """Compile the sm90 kernel for one visiting order; no GPU needed (set ``CUTE_DSL_ARCH=sm_90a``).
+def compile_attention(config: ForwardConfig, kernel_class: type | None = None):
+    """Compile the sm90 forward kernel of ``config``; no GPU needed (``CUTE_DSL_ARCH`` defaults to sm_90a).
 
     Shapes are symbolic: one compiled kernel serves every batch, head count and sequence length.
-    ``config`` overrides ``ExpCastAttentionSm90``'s tuning knobs (kv_stages, pingpong).
+    ``kernel_class`` (default ``ExpCastAttentionSm90``) is where notes/probe_*.py put their variants.
     """
+    default_to_sm90()
     import cutlass
     import cutlass.cute as cute
 
-    from .sm90.fwd import CONSUMER_WGS, TILE_M, TILE_N, ExpCastAttentionSm90
+    from .sm90.fwd import CONSUMER_WGS, TILE_M, TILE_N, ExpCastAttentionSm90, ForwardArgs
 
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     batch, heads = cute.sym_int(), cute.sym_int()
     s_q_pad, s_k_pad = cute.sym_int(divisibility=TILE_M), cute.sym_int(divisibility=TILE_N)
     n_q, n_k, s_q, n_r = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     slots, split_units = cute.sym_int(), cute.sym_int()
-
-    def row_major(dtype, shape, align):
-        return cute.runtime.make_fake_compact_tensor(
-            dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=align
-        )
-
-    args = (
-        row_major(cutlass.Uint8, (batch, heads, s_q_pad, HEAD_DIM), 16),
-        row_major(cutlass.Uint8, (batch, heads, s_k_pad, HEAD_DIM), 16),
-        row_major(cutlass.Uint8, (batch, heads, PV_N, s_k_pad), 16),
-        row_major(cutlass.Float32, (batch, heads, n_q), 4),
-        row_major(cutlass.Float32, (batch, heads, n_k), 4),
-        row_major(cutlass.Float32, (batch, heads), 4),
-        row_major(cutlass.Float32, (batch, heads, n_r), 4),
-        row_major(cutlass.BFloat16, (batch, s_q, heads, HEAD_DIM), 16),
-        row_major(cutlass.Float32, (slots, TILE_M, PV_N), 16),
-        row_major(cutlass.Float32, (slots, TILE_M), 4),
-        row_major(cutlass.Int32, (split_units, CONSUMER_WGS), 4),
-        cutlass.Float32(1.0),
-        cutlass.Int32(1),
-        cutlass.Int32(0),
-        cutlass.Int32(0),
-        cutlass.Int32(1),
-        cutlass.Int32(1),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    fake = ForwardArgs(
+        q8=row_major_fake(cutlass.Uint8, (batch, heads, s_q_pad, HEAD_DIM), 16),
+        k8=row_major_fake(cutlass.Uint8, (batch, heads, s_k_pad, HEAD_DIM), 16),
+        v_packed=row_major_fake(cutlass.Uint8, (batch, heads, PV_N, s_k_pad), 16),
+        d_q=row_major_fake(cutlass.Float32, (batch, heads, n_q), 4),
+        d_k=row_major_fake(cutlass.Float32, (batch, heads, n_k), 4),
+        d_v=row_major_fake(cutlass.Float32, (batch, heads), 4),
+        d_k_repair=row_major_fake(cutlass.Float32, (batch, heads, n_r), 4),
+        out=row_major_fake(cutlass.BFloat16, (batch, s_q, heads, HEAD_DIM), 16),
+        piece_sums=row_major_fake(cutlass.Float32, (slots, TILE_M, PV_N), 16),
+        piece_anchors=row_major_fake(cutlass.Float32, (slots, TILE_M), 4),
+        arrivals=row_major_fake(cutlass.Int32, (split_units, CONSUMER_WGS), 4),
+        codes_per_score=cutlass.Float32(1.0),
+        seqlen_k=cutlass.Int32(1),
+        window=cutlass.Int32(0),
+        repair_tiles=cutlass.Int32(0),
+        whole_units=cutlass.Int32(1),
+        splits=cutlass.Int32(1),
     )
-    kernel = ExpCastAttentionSm90(plain_order=plain_order, **config)
-    return cute.compile(kernel, *args, options="--enable-tvm-ffi")
+    kernel = (kernel_class or ExpCastAttentionSm90)(config)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(kernel, *fake, stream, options="--enable-tvm-ffi")
 
 
-def _kernel(plain_order: bool, **config):
-    tuning = (f"{key}{value}" for key, value in sorted(config.items()))
-    name = "_".join(["attention", "plain" if plain_order else "window", *tuning])
-    return load_or_compile(name, lambda: compile_attention(plain_order, **config))
+def _kernel(config: ForwardConfig):
+    return load_or_compile(config.cache_name, lambda: compile_attention(config))
 
 
 def prepare(
@@ -110,7 +103,7 @@ def build_failure(dtype: torch.dtype, *, plain_order: bool, smooth_k: bool, repa
         from .sm90 import prep
 
         prep.load_kernels(dtype, smooth_k=smooth_k, energy=repair)
-        _kernel(plain_order)
+        _kernel(ForwardConfig(plain_order=plain_order))
     except KernelUnavailableError as error:
         return str(error)
     return None
@@ -133,6 +126,38 @@ def _split_workspace(plan: TailSplit, device: torch.device) -> tuple[torch.Tenso
     return sums, anchors, arrivals
 
 
+def forward_args(prepared: Prepared, out: torch.Tensor, *, softmax_scale: float, window: int | None, split_tail: bool):
+    """The forward kernel's arguments (``sm90.fwd.ForwardArgs``) for ``attention_prepared``'s call."""
+    from .sm90.fwd import ForwardArgs
+
+    p = prepared
+    batch, heads, s_q_pad, _ = p.q8.shape
+    units = batch * heads * (s_q_pad // BLOCK)
+    sms = sm_count(out.device) if split_tail else None
+    plan = plan_tail_split(units, num_blocks(p.seqlen_k), sms, repair=p.repair_tiles > 0)
+    piece_sums, piece_anchors, arrivals = _split_workspace(plan, out.device)
+    return ForwardArgs(
+        q8=p.q8,
+        k8=p.k8,
+        v_packed=p.v_packed,
+        d_q=p.d_q,
+        d_k=p.d_k,
+        d_v=p.d_v,
+        # Without repair the kernel never reads d_k_repair: a compact (B, H, 1) stand-in, never an empty tensor.
+        d_k_repair=p.d_k_repair if p.repair_tiles else p.d_v[..., None],
+        out=out,
+        piece_sums=piece_sums,
+        piece_anchors=piece_anchors,
+        arrivals=arrivals,
+        codes_per_score=float(torch.tensor(softmax_scale * CODES_PER_NAT, dtype=torch.float32)),
+        seqlen_k=p.seqlen_k,
+        window=window or 0,
+        repair_tiles=p.repair_tiles,
+        whole_units=plan.whole_units,
+        splits=plan.splits,
+    )
+
+
 def attention_prepared(
     prepared: Prepared,
     out: torch.Tensor,
@@ -140,25 +165,17 @@ def attention_prepared(
     softmax_scale: float,
     window: int | None = 4,
     split_tail: bool = True,
-    **config,
+    **tuning,
 ) -> torch.Tensor:
     """Run the kernel on prepared inputs into ``out`` ((B, S_q, H, 128) bf16, contiguous); returns ``out``.
 
     ``split_tail``: share the key range of the last wave's query tiles out over the idle SMs (``split.py``; as
     ``reference_attention(sm_count=...)`` models it with this GPU's SM count); False runs one CTA per query tile.
+    ``tuning``: ``ForwardConfig``'s knobs other than the visiting order (which ``window`` sets), for the probes.
     """
-    codes_per_score = float(torch.tensor(softmax_scale * CODES_PER_NAT, dtype=torch.float32))
-    p = prepared
-    batch, heads, s_q_pad, _ = p.q8.shape
-    units = batch * heads * (s_q_pad // BLOCK)
-    sms = sm_count(out.device) if split_tail else None
-    plan = plan_tail_split(units, num_blocks(p.seqlen_k), sms, repair=p.repair_tiles > 0)
-    # Without repair the kernel never reads d_k_repair: a compact (B, H, 1) stand-in, never an empty tensor.
-    d_k_repair = p.d_k_repair if p.repair_tiles else p.d_v[..., None]
-    _kernel(window is None, **config)(
-        p.q8, p.k8, p.v_packed, p.d_q, p.d_k, p.d_v, d_k_repair, out, *_split_workspace(plan, out.device),
-        codes_per_score, p.seqlen_k, window or 0, p.repair_tiles, plan.whole_units, plan.splits,
-    )
+    config = ForwardConfig(plain_order=window is None, **tuning)
+    args = forward_args(prepared, out, softmax_scale=softmax_scale, window=window, split_tail=split_tail)
+    _kernel(config)(*args)
     return out
 
 
@@ -209,9 +226,9 @@ def attention(
     of V residual repair (``round(rho * S)`` extra keys per head, 0 = none) ranked by ``repair_ranking``
     ("attention" or "energy", as in ``reference_attention``). Matches
     ``reference_attention(..., accumulation="wgmma", sm_count=ops.sm_count(device))`` (the tail split, ``split.py``)
-    to rel-L2 1e-3 (FP32 order and the MUFU exponentials); the exact-sum reference differs by ~4e-3 (the FP8
-    wgmma's 14-bit sums move a few codes). Forward-only: a backward through the output raises. Raises
-    ``ValueError`` for inputs the kernel cannot take and ``KernelUnavailableError`` (cause and fix) where its
+    to rel-L2 1e-3 (FP32 order and the MUFU exponentials); the exact-sum reference differs more (the FP8 wgmma's
+    14-bit sums move a few codes; measured in the README). Forward-only: a backward through the output raises.
+    Raises ``ValueError`` for inputs the kernel cannot take and ``KernelUnavailableError`` (cause and fix) where its
     packages are missing or it fails to compile.
     """
     check_attention_args(

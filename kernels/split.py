@@ -21,12 +21,12 @@ from typing import NamedTuple
 
 import torch
 
+from .expcast import LOG2_PER_CODE
+
 MIN_STEPS_PER_PIECE = 16
 """Key tiles a piece visits at least: its fixed costs (Q load, pipeline fill, partial write, merge) are about one
 tile's time, and a piece shorter than this would gain less than it costs."""
 MAX_SPLITS = 8
-LOG2_PER_CODE = 0.125
-"""Merging moves a piece's codes by whole codes: k codes scale its sums by 2^(k/8)."""
 
 
 class TailSplit(NamedTuple):

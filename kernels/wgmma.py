@@ -4,8 +4,8 @@ Model (Microsoft's MMA-Sim, arXiv 2511.10909; notes/fp8_accumulation.md): one E4
 32 exact products and the incoming FP32 accumulator C as one fused sum. Every term is aligned to the largest
 exponent among them (C included), cut toward zero to ``FRACTION_BITS`` bits below it, the cut terms are added
 exactly, and the sum is cut toward zero to an FP32 with ``FRACTION_BITS`` fraction bits (the low 10 zero). A
-head-dim-128 dot product chains 4 such instructions in k order. Exact FP32 summation differs by up to ~4e-4 of
-the largest score, enough to move a few ExpCast codes by one.
+head-dim-128 dot product chains 4 such instructions in k order. Exact FP32 summation differs from it by enough
+to move a few ExpCast codes by one (measured: notes/kernel.md, notes/fp8_accumulation.md).
 
 The same holds for P V: the kernel's PV wgmma chains ``PV_PROMOTE_EVERY`` key tiles (4 instructions each)
 before it adds that sum into FP32 registers, and the 14-bit sums drop the small products of each chain.
@@ -23,9 +23,9 @@ ZERO_EXPONENT = -126
 MIN_ALIGN_EXPONENT = -100
 LOW_BITS_MASK = ~((1 << (23 - FRACTION_BITS)) - 1)
 PV_PROMOTE_EVERY = 4
-"""Key tiles the sm90 kernel's PV wgmma adds up before its sum moves into FP32 registers. Against float64 the
-reference errs alike with chains of 1, 2 or 4 tiles (5.676%, 5.676%, 5.675% at S = 4096) and more with 8 (5.699%);
-4 is the fastest with ping-pong (notes/kernel.md)."""
+"""Key tiles the sm90 kernel's PV wgmma adds up before its sum moves into FP32 registers: the default of
+``sm90.config.ForwardConfig.promote_every``, which the reference models. Why 4 (accuracy alike for chains of 1, 2
+or 4 tiles, the fastest with ping-pong): notes/kernel.md, session 4."""
 
 
 def _exponent(x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@
 
 Prints each variant's output difference from the shipped kernel and the time of two rounds.
 Run on a Hopper GPU: ``python notes/probe_encode.py``; ``--sass DIR`` compiles every variant for sm_90a and
-dumps its SASS (no GPU needed).
+dumps its SASS (no GPU needed). ``tests/test_probes.py`` compiles every variant on the CPU.
 """
 
 import argparse
@@ -23,8 +23,10 @@ from cutlass import Float32, Uint32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from openvc_kernels.expcast import CODE_UNIT
-from openvc_kernels.ops import compile_attention
+from openvc_kernels.ops import compile_attention, forward_args
 from openvc_kernels.sm90 import softmax
+from openvc_kernels.sm90.config import ForwardConfig
+from openvc_kernels.sm90.fwd import ExpCastAttentionSm90
 
 ROUND_MAGIC = float(2**23)
 """Session 3's encode: added to a code in [0, 2^23), the FP32 rounding is the RNE to an integer in the low bits."""
@@ -35,18 +37,9 @@ SHAPES = ((32_760, 12), (75_600, 40))
 TAU = 128**-0.5
 
 
-@cute.jit
-def encode_magic(scores: cute.Tensor, anchor: cute.Tensor, coef: Float32):
-    magic = Float32(ROUND_MAGIC)
-    for r in cutlass.range_constexpr(2):
-        bias = anchor[r] + magic
-        for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-            scores[r, i] = cute.arch.fmax(cute.math.fma(scores[r, i], coef, bias), magic)
-
-
 def fill_pv_operand(frag_p: cute.Tensor, words: cute.Tensor, word_at):
     """Word ``r + 2 h + 4 kb`` of the PV A fragment is ``word_at(words, r, c)``, c = 4 kb + 2 h (as in
-    softmax.pack_codes); a plain function, unrolled where a jit function calls it."""
+    ``ExpCastSoftmax.pack_codes``); a plain function, unrolled where a jit function calls it."""
     p_words = cute.recast_tensor(frag_p, Uint32)
     for kb in range(cute.size(frag_p, mode=[2])):
         for h in range(2):
@@ -60,9 +53,21 @@ def magic_word(words: cute.Tensor, r: int, c: int):
     return softmax.byte_perm(first, second, HALVES)
 
 
-@cute.jit
-def pack_codes_magic(codes: cute.Tensor, frag_p: cute.Tensor):
-    fill_pv_operand(frag_p, cute.recast_tensor(codes, Uint32), magic_word)
+class ClipAndPermute(softmax.ExpCastSoftmax):
+    """Session 3's codes: the 2^23-magic FFMA, an FMNMX clip, three PRMTs per four codes."""
+
+    @cute.jit
+    def encode(self, coef: Float32):
+        scores, anchor = self.scores, self.anchor
+        magic = Float32(ROUND_MAGIC)
+        for r in cutlass.range_constexpr(2):
+            bias = anchor[r] + magic
+            for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                scores[r, i] = cute.arch.fmax(cute.math.fma(scores[r, i], coef, bias), magic)
+
+    @cute.jit
+    def pack_codes(self, frag_p: cute.Tensor):
+        fill_pv_operand(frag_p, cute.recast_tensor(self.acc_s, Uint32), magic_word)
 
 
 @dsl_user_op
@@ -73,49 +78,48 @@ def pack_f16_relu_in_f32(high: Float32, low: Float32, *, loc=None, ip=None) -> F
     return Float32(softmax.ptx(T.f32(), operands, instruction, "=f,f,f"))
 
 
-@cute.jit
-def encode_and_convert(scores: cute.Tensor, anchor: cute.Tensor, coef: Float32):
-    """The FFMAs and the conversions before the PV wait: a pair's word replaces its first score (column 2c)."""
-    unit = Float32(CODE_UNIT)
-    coef = coef * unit
-    for r in cutlass.range_constexpr(2):
-        bias = anchor[r] * unit
-        for c in cutlass.range_constexpr(cute.size(scores, mode=[1]) // 2):
-            low = cute.math.fma(scores[r, 2 * c], coef, bias)
-            high = cute.math.fma(scores[r, 2 * c + 1], coef, bias)
-            scores[r, 2 * c] = pack_f16_relu_in_f32(high, low)
-
-
 def converted_word(words: cute.Tensor, r: int, c: int):
     return softmax.byte_perm(words[2 * r + 4 * c], words[2 * r + 4 * (c + 1)], softmax.HALF_LOW_BYTES)
 
 
-@cute.jit
-def pack_converted(codes: cute.Tensor, frag_p: cute.Tensor):
-    fill_pv_operand(frag_p, cute.recast_tensor(codes, Uint32), converted_word)
+class ConvertEarly(softmax.ExpCastSoftmax):
+    """The FFMAs and the FP16 conversions before the PV wait (a pair's word replaces its first score, column 2c),
+    only the PRMTs after it."""
+
+    @cute.jit
+    def encode(self, coef: Float32):
+        scores, anchor = self.scores, self.anchor
+        unit = Float32(CODE_UNIT)
+        coef = coef * unit
+        for r in cutlass.range_constexpr(2):
+            bias = anchor[r] * unit
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1]) // 2):
+                low = cute.math.fma(scores[r, 2 * c], coef, bias)
+                high = cute.math.fma(scores[r, 2 * c + 1], coef, bias)
+                scores[r, 2 * c] = pack_f16_relu_in_f32(high, low)
+
+    @cute.jit
+    def pack_codes(self, frag_p: cute.Tensor):
+        fill_pv_operand(frag_p, cute.recast_tensor(self.acc_s, Uint32), converted_word)
 
 
-MAGIC = {"encode": encode_magic, "pack_codes": pack_codes_magic}
-CONVERT_EARLY = {"encode": encode_and_convert, "pack_codes": pack_converted}
-NO_PP = {"pingpong": False}
+NO_PP = ForwardConfig(pingpong=False)
 VARIANTS = {
-    "shipped": ({}, {}),
-    "clip + 3 PRMT": (MAGIC, NO_PP),
-    "clip + 3 PRMT, ping-pong": (MAGIC, {}),
-    "no ping-pong": ({}, NO_PP),
-    "convert before PV wait": (CONVERT_EARLY, {}),
+    "shipped": (softmax.ExpCastSoftmax, ForwardConfig()),
+    "clip + 3 PRMT": (ClipAndPermute, NO_PP),
+    "clip + 3 PRMT, ping-pong": (ClipAndPermute, ForwardConfig()),
+    "no ping-pong": (softmax.ExpCastSoftmax, NO_PP),
+    "convert before PV wait": (ConvertEarly, ForwardConfig()),
 }
 
 
-def compile_variant(replacements: dict, config: dict):
-    originals = {name: getattr(softmax, name) for name in replacements}
-    for name, fn in replacements.items():
-        setattr(softmax, name, fn)
-    try:
-        return compile_attention(False, **config)
-    finally:
-        for name, fn in originals.items():
-            setattr(softmax, name, fn)
+def compile_variant(name: str):
+    rows, config = VARIANTS[name]
+
+    class Variant(ExpCastAttentionSm90):
+        softmax_class = rows
+
+    return compile_attention(config, Variant)
 
 
 def dump_sass(folder: str) -> None:
@@ -124,7 +128,7 @@ def dump_sass(folder: str) -> None:
         dump = os.path.join(folder, name.replace(" ", "_").replace(",", ""))
         os.makedirs(dump, exist_ok=True)
         env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="sass", CUTE_DSL_DUMP_DIR=dump)
-        script = f"import probe_encode as p; p.compile_variant(*p.VARIANTS[{name!r}])"
+        script = f"import probe_encode as p; p.compile_variant({name!r})"
         subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=os.path.dirname(__file__))
 
 
@@ -132,26 +136,22 @@ def main():
     import torch
     from triton.testing import do_bench
 
-    from openvc_kernels.expcast import CODES_PER_NAT
     from openvc_kernels.ops import prepare
 
     print(torch.cuda.get_device_name(), flush=True)
-    kernels = {name: compile_variant(*variant) for name, variant in VARIANTS.items()}
-    codes_per_score = float(torch.tensor(TAU * CODES_PER_NAT, dtype=torch.float32))
+    kernels = {name: compile_variant(name) for name in VARIANTS}
     for seq, heads in SHAPES:
         flop = 4 * seq * seq * heads * 128
         sets = []
         for _ in range(2):
             q, k, v = (torch.randn(1, seq, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            p = prepare(q, k, v)
             out = torch.full_like(q, float("nan"))
-            sets.append((p.q8, p.k8, p.v_packed, p.d_q, p.d_k, p.d_v, p.d_v[..., None], out, codes_per_score,
-                         p.seqlen_k, 4, 0))
+            sets.append(forward_args(prepare(q, k, v), out, softmax_scale=TAU, window=4, split_tail=True))
         outs = {}
         for name, kernel in kernels.items():
-            sets[0][7].fill_(float("nan"))
+            sets[0].out.fill_(float("nan"))
             kernel(*sets[0])
-            outs[name] = sets[0][7].float().clone()
+            outs[name] = sets[0].out.float().clone()
         ref = outs["shipped"]
         for name, o in outs.items():
             rel = ((o - ref).norm() / ref.norm()).item()

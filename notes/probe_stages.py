@@ -1,7 +1,8 @@
 """Device probe: what limits the sm90 kernel, measured by leaving parts of the key-tile step out.
 
-Each variant compiles the forward kernel with some ``softmax`` functions replaced by no-ops (their results are
-then garbage; the tensor cores run at the same speed on any bytes) and times it on prepared inputs, kernel only:
+Each variant compiles the forward kernel with some steps of its softmax (``sm90.softmax.ExpCastSoftmax``) replaced
+by no-ops (their results are then garbage; the tensor cores run at the same speed on any bytes) and times it on
+prepared inputs, kernel only:
 
   default         the kernel as shipped
   no encode       encode skipped (no FFMA per score; the FP16 packing then packs the raw scores)
@@ -11,68 +12,63 @@ then garbage; the tensor cores run at the same speed on any bytes) and times it 
 Leaving out the packing or the accumulation as well lets the compiler drop the wgmmas whose results then go
 unused, so those variants would time nothing real.
 
-Run on a Hopper GPU: ``python notes/probe_stages.py``.
+Run on a Hopper GPU: ``python notes/probe_stages.py``. ``tests/test_probes.py`` compiles every variant on the CPU.
 """
 
 import cutlass
 import cutlass.cute as cute
-import torch
-from triton.testing import do_bench
 
-from openvc_kernels.expcast import CODES_PER_NAT
-from openvc_kernels.ops import compile_attention, prepare
-from openvc_kernels.sm90 import softmax
+from openvc_kernels.ops import compile_attention, forward_args, prepare
+from openvc_kernels.sm90.config import ForwardConfig
+from openvc_kernels.sm90.fwd import ExpCastAttentionSm90
+from openvc_kernels.sm90.softmax import ExpCastSoftmax
 
 SHAPES = ((32_760, 12), (75_600, 40))
 TAU = 128**-0.5
 
 
-@cute.jit
-def _alpha_one(scores, key_coords, has_padding, valid_keys, m, anchor, alpha, s, d_k, is_first: cutlass.Constexpr):
-    alpha.fill(1.0)
+class NoEncode(ExpCastSoftmax):
+    @cute.jit
+    def encode(self, coef):
+        pass
 
 
-@cute.jit
-def _skip_encode(scores, anchor, coef):
-    pass
+class NoRescale(ExpCastSoftmax):
+    @cute.jit
+    def accumulate(self, acc_o, acc_pv, promote: cutlass.Boolean):
+        if promote:
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] + acc_pv[i]
 
 
-@cute.jit
-def _promote_only(acc_o, acc_pv, alpha, pending, promote: cutlass.Boolean):
-    if promote:
-        for i in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[i] = acc_o[i] + acc_pv[i]
+class NoMaxOrEncode(ExpCastSoftmax):
+    @cute.jit
+    def online_codes(self, has_padding, valid_keys, d_k, is_first: cutlass.Constexpr[bool]):
+        self.alpha.fill(1.0)
 
 
-VARIANTS = {
-    "default": {},
-    "no encode": {"encode": _skip_encode},
-    "no rescale": {"accumulate": _promote_only},
-    "no max/encode": {"online_codes": _alpha_one},
-}
+VARIANTS = {"default": ExpCastSoftmax, "no encode": NoEncode, "no rescale": NoRescale, "no max/encode": NoMaxOrEncode}
 
 
-def compile_variant(replacements: dict):
-    originals = {name: getattr(softmax, name) for name in replacements}
-    for name, fn in replacements.items():
-        setattr(softmax, name, fn)
-    try:
-        return compile_attention(False)
-    finally:
-        for name, fn in originals.items():
-            setattr(softmax, name, fn)
+def compile_variant(name: str):
+    class Variant(ExpCastAttentionSm90):
+        softmax_class = VARIANTS[name]
+
+    return compile_attention(ForwardConfig(), Variant)
 
 
 def main():
+    import torch
+    from triton.testing import do_bench
+
     print(torch.cuda.get_device_name(), flush=True)
-    kernels = {name: compile_variant(replacements) for name, replacements in VARIANTS.items()}
-    codes_per_score = float(torch.tensor(TAU * CODES_PER_NAT, dtype=torch.float32))
+    kernels = {name: compile_variant(name) for name in VARIANTS}
     for seq, heads in SHAPES:
         flop = 4 * seq * seq * heads * 128
         q, k, v = (torch.randn(1, seq, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         p = prepare(q, k, v)
         out = torch.empty_like(q)
-        args = (p.q8, p.k8, p.v_packed, p.d_q, p.d_k, p.d_v, p.d_v[..., None], out, codes_per_score, p.seqlen_k, 4, 0)
+        args = forward_args(p, out, softmax_scale=TAU, window=4, split_tail=True)
         for name, kernel in kernels.items():
             ms = do_bench(lambda kernel=kernel: kernel(*args), warmup=100, rep=600, return_mode="median")
             print(f"{seq}x{heads} {name:>14}: {ms:8.2f} ms {flop / ms / 1e9:7.0f} TFLOP/s", flush=True)

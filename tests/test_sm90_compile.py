@@ -65,7 +65,10 @@ def sass(tmp_path_factory) -> str:
         os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="sass", CUTE_DSL_DUMP_DIR=str(dump),
         CUTE_DSL_COMPILER_OPT="remarks{ptx}",
     )
-    script = "from openvc_kernels.ops import compile_attention; compile_attention(plain_order=False)"
+    script = (
+        "from openvc_kernels.ops import compile_attention; from openvc_kernels.sm90.config import ForwardConfig; "
+        "compile_attention(ForwardConfig())"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     if done.returncode != 0 and "nvdisasm" in done.stderr:
         pytest.skip("SASS dump needs nvdisasm (pip install nvidia-cuda-nvdisasm)")

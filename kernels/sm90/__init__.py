@@ -1,5 +1,5 @@
-"""The Hopper (sm_90a) implementation: packed-V layout, ExpCast softmax helpers, fused preparation,
-forward kernel. Only ``layout`` is importable without nvidia-cutlass-dsl."""
+"""The Hopper (sm_90a) implementation: packed-V layout, ExpCast softmax, fused preparation, forward kernel.
+``layout``, ``config``, ``barriers`` and ``target`` are importable without nvidia-cutlass-dsl."""
 
 from .layout import KEY_PERMUTATION, PV_N, Prepared, pack_v, prepare_reference
 

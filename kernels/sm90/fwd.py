@@ -21,6 +21,10 @@ Grid: one dimension, units in (query tile, head, batch) order, the last ones spl
 c, CTA whole_units + t runs piece t % splits of unit whole_units + t // splits.
 """
 
+import functools
+import inspect
+from typing import NamedTuple
+
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -33,9 +37,11 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from ..quant import BLOCK
-from ..wgmma import PV_PROMOTE_EVERY
+from ..support import HEAD_DIM
 from . import pieces, softmax
-from .layout import HEAD_DIM, PV_N
+from .barriers import NamedBarrier
+from .config import ForwardConfig
+from .layout import PV_N
 
 FP8 = cutlass.Float8E4M3FN
 TILE_M = BLOCK
@@ -47,11 +53,8 @@ CONSUMER_WGS = 2
 """Each consumer warpgroup owns 64 of the tile's rows (the wgmma M)."""
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-KV_STAGES = 3
 SMEM_ALIGN = 1024
 """The 128B swizzle pattern repeats every 1024 bytes; each buffer starts on one."""
-SCHEDULER_BARRIER = 1
-"""Named barriers 1 and 2 (0 is __syncthreads): consumer warpgroup w waits on 1 + w to issue its wgmmas."""
 
 
 def _smem_layout(rows: int, stages: int | None = None):
@@ -86,6 +89,61 @@ def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a, frag_b, zero_init)
     warpgroup.commit_group()
 
 
+class Steps(NamedTuple):
+    """A CTA's share of its unit's visiting order: steps ``first .. first + n_real - 1`` of the order over the unit's
+    ``n_k`` key tiles that starts at tile ``start`` (``ExpCastAttentionSm90.tile_at``); the repair tiles follow."""
+
+    first: Int32
+    n_real: Int32
+    start: Int32
+    n_k: Int32
+
+
+class Keys(NamedTuple):
+    """What a consumer knows of the keys besides their tiles: the K descales of the real tiles (n_k,) and of the
+    repair keys (R,), the last real tile, and how many real keys it holds (the rest are padding)."""
+
+    d_k: cute.Tensor
+    d_k_repair: cute.Tensor
+    last_tile: Int32
+    last_valid: Int32
+
+
+class Piece(NamedTuple):
+    """Which piece of its unit a CTA runs (``index`` of ``count``; count 1: the whole unit) and the tail split's
+    workspace (``pieces.py``): the unit's pieces use slots ``first_slot ..`` of ``sums`` and ``anchors``,
+    ``arrivals`` are the unit's two counters, ``seen`` one shared Int32 per consumer warpgroup."""
+
+    index: Int32
+    count: Int32
+    first_slot: Int32
+    sums: cute.Tensor
+    anchors: cute.Tensor
+    arrivals: cute.Tensor
+    seen: cute.Tensor
+
+
+class Gemms(NamedTuple):
+    """One consumer warpgroup's two matrix products: S = Q K^T (SS, into ``acc_s``) and PV = P V (RS: P from the
+    registers of ``frag_p``, into ``acc_pv``); ``frag_k`` and ``frag_v`` span the KV stages."""
+
+    tiled_qk: cute.TiledMma
+    tiled_pv: cute.TiledMma
+    frag_q: cute.Tensor
+    frag_k: cute.Tensor
+    frag_v: cute.Tensor
+    frag_p: cute.Tensor
+    acc_s: cute.Tensor
+    acc_pv: cute.Tensor
+
+    def issue_qk(self, stage: Int32):
+        _gemm(self.tiled_qk, self.acc_s, self.frag_q, self.frag_k[None, None, None, stage], True)
+
+    def issue_pv(self, stage: Int32, fresh: cutlass.Boolean):
+        """``fresh``: start a new PV chain (the wgmma's scale-d predicate off) instead of adding to ``acc_pv``."""
+        _gemm(self.tiled_pv, self.acc_pv, self.frag_p, self.frag_v[None, None, None, stage], fresh)
+
+
 @cute.jit
 def _tma_load(pipe: pipeline.PipelineAsync, atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, state):
     """Wait for the stage to be free, then one TMA copy of ``src`` into it, completing on its barrier."""
@@ -94,22 +152,13 @@ def _tma_load(pipe: pipeline.PipelineAsync, atom: cute.CopyAtom, src: cute.Tenso
 
 
 class ExpCastAttentionSm90:
-    """Compile-time configuration: the visiting order (mid-window or plain), and tuning knobs the probes in
-    notes/ vary (KV pipeline depth, ping-pong, PV promotion interval); the defaults are the measured best."""
+    """The forward kernel of one ``ForwardConfig`` (visiting order and tuning knobs, fixed at compile time)."""
 
-    def __init__(
-        self, plain_order: bool = False, kv_stages: int = KV_STAGES, pingpong: bool = True,
-        promote_every: int = PV_PROMOTE_EVERY,
-    ):
-        self.plain_order = plain_order
-        self.kv_stages = kv_stages
-        # The FP8 wgmma adds into its accumulator with ~14 significant bits, so summing PV over all
-        # tiles in it drops small products. Every promote_every tiles its sum moves into FP32 registers.
-        self.promote_every = promote_every
-        # Ping-pong: the two consumer warpgroups take turns issuing their wgmmas, so one's softmax
-        # runs while the other's matrix products occupy the tensor cores. It pays once the codes are
-        # packed by FP16 conversion (+6%, notes/kernel.md); with the clip-and-PRMT packing it did not.
-        self.pingpong = pingpong
+    softmax_class = softmax.ExpCastSoftmax
+    """What each consumer thread's softmax is built from; notes/probe_*.py subclass both to compile variants."""
+
+    def __init__(self, config: ForwardConfig):
+        self.config = config
 
     @cute.jit
     def __call__(
@@ -137,8 +186,8 @@ class ExpCastAttentionSm90:
         ``whole_units`` run ``splits`` pieces each (``split.plan_tail_split``; never with repair tiles)."""
         mQ, mK, mV = [_as_fp8_tma_view(t) for t in (q8, k8, v_packed)]
         sQ_layout = _smem_layout(TILE_M)
-        sK_layout = _smem_layout(TILE_N, self.kv_stages)
-        sV_layout = _smem_layout(PV_N, self.kv_stages)
+        sK_layout = _smem_layout(TILE_N, self.config.kv_stages)
+        sV_layout = _smem_layout(PV_N, self.config.kv_stages)
         operand_k = cute.nvgpu.OperandMajorMode.K
         # Both warpgroups in one tiled MMA (atom layout 2 x 1): a warpgroup's slice is its 64 rows.
         tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
@@ -160,7 +209,7 @@ class ExpCastAttentionSm90:
         self.bytes_k = cute.size_in_bytes(FP8, cute.select(sK_layout, mode=[0, 1]))
         self.bytes_v = cute.size_in_bytes(FP8, cute.select(sV_layout, mode=[0, 1]))
 
-        stages = self.kv_stages
+        stages = self.config.kv_stages
 
         @cute.struct
         class SharedStorage:
@@ -236,8 +285,8 @@ class ExpCastAttentionSm90:
             consumer_group=consumers, tx_count=nbytes, defer_sync=True,
         )
         pipeline_q = make_pipeline(storage.mbar_q, 1, self.bytes_q)
-        pipeline_k = make_pipeline(storage.mbar_k, self.kv_stages, self.bytes_k)
-        pipeline_v = make_pipeline(storage.mbar_v, self.kv_stages, self.bytes_v)
+        pipeline_k = make_pipeline(storage.mbar_k, self.config.kv_stages, self.bytes_k)
+        pipeline_v = make_pipeline(storage.mbar_v, self.config.kv_stages, self.bytes_v)
         pipeline_init_arrive(is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -256,8 +305,9 @@ class ExpCastAttentionSm90:
         pair, m_block = divmod(unit, n_q_tiles)
         batch, head = divmod(pair, heads)
         start = n_k - 1
-        if const_expr(not self.plain_order):
+        if const_expr(not self.config.plain_order):
             start = cutlass.min(m_block + window, n_k - 1)
+        steps = Steps(first, n_real, start, n_k)
         pipeline_init_wait()
 
         if warp_idx < 4:
@@ -266,7 +316,7 @@ class ExpCastAttentionSm90:
                 self.load(
                     mQ[None, None, head, batch], mK[None, None, head, batch],
                     mV[None, None, head, batch], sQ, sK, sV, tma_q, tma_k, tma_v,
-                    pipeline_q, pipeline_k, pipeline_v, m_block, (first, n_real, start, n_k), repair_tiles,
+                    pipeline_q, pipeline_k, pipeline_v, m_block, steps, repair_tiles,
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -275,29 +325,27 @@ class ExpCastAttentionSm90:
             self.consume(
                 sQ, sK, sV, d_q[batch, head, None], d_k[batch, head, None], d_v[batch, head],
                 d_k_repair[batch, head, None], out[batch, None, head, None], tiled_mma_qk, tiled_mma_pv,
-                pipeline_q, pipeline_k, pipeline_v, tidx, m_block, (first, n_real, start, n_k),
-                codes_per_score, seqlen_k, repair_tiles,
-                (piece, n_pieces, slot, piece_sums, piece_anchors, arrivals[unit - whole_units, None],
-                 storage.arrivals_seen.get_tensor(cute.make_layout(CONSUMER_WGS))),
+                pipeline_q, pipeline_k, pipeline_v, tidx, m_block, steps, codes_per_score, seqlen_k, repair_tiles,
+                Piece(piece, n_pieces, slot, piece_sums, piece_anchors, arrivals[unit - whole_units, None],
+                      storage.arrivals_seen.get_tensor(cute.make_layout(CONSUMER_WGS))),
             )
 
     @cute.jit
-    def tile_at(self, i: Int32, start: Int32, n_k: Int32) -> Int32:
+    def tile_at(self, i: Int32, steps: Steps) -> Int32:
         """The i-th key tile visited: mid-window ``start, ..., 0, n-1, ..., start+1``, or ``i``."""
         j = i
-        if const_expr(not self.plain_order):
-            j = start - i
+        if const_expr(not self.config.plain_order):
+            j = steps.start - i
             if j < 0:
-                j = j + n_k
+                j = j + steps.n_k
         return j
 
     @cute.jit
-    def kv_index(self, j: Int32, steps) -> Int32:
+    def kv_index(self, j: Int32, steps: Steps) -> Int32:
         """The K/V tile a CTA's step j loads: its steps of the visiting order, then the repair tiles."""
-        first, n_real, start, n_k = steps
-        tile = n_k + j - n_real
-        if j < n_real:
-            tile = self.tile_at(first + j, start, n_k)
+        tile = steps.n_k + j - steps.n_real
+        if j < steps.n_real:
+            tile = self.tile_at(steps.first + j, steps)
         return tile
 
     @cute.jit
@@ -316,7 +364,7 @@ class ExpCastAttentionSm90:
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
         m_block: Int32,
-        steps,
+        steps: Steps,
         repair_tiles: Int32,
     ):
         """Producer warp: Q once, then K(j + 1) ahead of V(j), the order the consumers wait in; the repair
@@ -339,8 +387,8 @@ class ExpCastAttentionSm90:
         pipeline_q.producer_acquire(q_state)
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-        n_steps = steps[1] + repair_tiles
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.kv_stages)
+        n_steps = steps.n_real + repair_tiles
         _tma_load(pipeline_k, tma_k, tKgK[None, self.kv_index(0, steps)], tKsK, state)
         for j in cutlass.range(1, n_steps, unroll=1):
             prev = state.clone()
@@ -367,11 +415,11 @@ class ExpCastAttentionSm90:
         pipeline_v: pipeline.PipelineAsync,
         tidx: Int32,
         m_block: Int32,
-        steps,
+        steps: Steps,
         codes_per_score: Float32,
         seqlen_k: Int32,
         repair_tiles: Int32,
-        split,
+        piece: Piece,
     ):
         """One consumer warpgroup: 64 query rows against the CTA's key tiles and the repair tiles, then the
         epilogue: the output, or for a piece its sums, and the merge if it is the unit's last."""
@@ -389,101 +437,95 @@ class ExpCastAttentionSm90:
         acc_pv = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, PV_N)), Float32)
         acc_o = cute.make_rmem_tensor_like(acc_pv)
         acc_o.fill(0.0)
-        scores = softmax.rows_view(acc_s)
+        gemms = Gemms(tiled_mma_qk, tiled_mma_pv, frag_q, frag_k, frag_v, frag_p, acc_s, acc_pv)
         key_coords = softmax.rows_view(thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
-
-        m = cute.make_rmem_tensor((2,), Float32)
-        anchor = cute.make_rmem_tensor((2,), Float32)
-        alpha = cute.make_rmem_tensor((2,), Float32)
-        pending = cute.make_rmem_tensor((2,), Float32)  # O's rescale since the last promotion, per row
-        pending.fill(1.0)
-        s = softmax.mul_rn(codes_per_score, d_q[m_block])
-        first, n_real, start, n_k = steps
-        last_tile = n_k - 1
-        last_valid = seqlen_k - last_tile * TILE_N
+        rows = self.softmax_class(acc_s, key_coords, softmax.mul_rn(codes_per_score, d_q[m_block]))
+        last_tile = steps.n_k - 1
+        keys = Keys(d_k, d_k_repair, last_tile, seqlen_k - last_tile * TILE_N)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_q.consumer_wait(q_state)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.kv_stages)
 
-        tile = self.tile_at(first, start, n_k)
+        tile = self.tile_at(steps.first, steps)
         d_k_tile = d_k[tile]
         pipeline_k.consumer_wait(state)
-        _gemm(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, state.index], True)
+        gemms.issue_qk(state.index)
         warpgroup.wait_group(0)
         pipeline_k.consumer_release(state)
-        softmax.online_codes(
-            scores, key_coords, tile == last_tile, last_valid, m, anchor, alpha, s, d_k_tile, True
-        )
-        softmax.pack_codes(acc_s, frag_p)
+        rows.online_codes(tile == keys.last_tile, keys.last_valid, d_k_tile, True)
+        rows.pack_codes(frag_p)
 
-        if const_expr(self.pingpong):
+        if const_expr(self.config.pingpong):
             if wg == 0:
-                cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=2 * WG_THREADS)
-        mmas = (tiled_mma_qk, tiled_mma_pv, frag_q, frag_k, frag_v, frag_p, acc_s, acc_pv)
-        sums = (scores, key_coords, m, anchor, alpha, pending, acc_o)
-        keys = (steps, last_tile, last_valid, s, d_k, d_k_repair, wg)
-        for j in cutlass.range(1, n_real, unroll=1):
-            state = self.step(j, state, False, mmas, sums, (pipeline_k, pipeline_v), keys)
-        for j in cutlass.range(n_real, n_real + repair_tiles, unroll=1):
-            state = self.step(j, state, True, mmas, sums, (pipeline_k, pipeline_v), keys)
+                cute.arch.barrier_arrive(barrier_id=NamedBarrier.SCHEDULER, number_of_threads=2 * WG_THREADS)
+        step = functools.partial(
+            self.step, gemms=gemms, rows=rows, acc_o=acc_o, pipeline_k=pipeline_k, pipeline_v=pipeline_v,
+            steps=steps, keys=keys, wg=wg,
+        )
+        for j in cutlass.range(1, steps.n_real, unroll=1):
+            state = step(j, state, False)
+        for j in cutlass.range(steps.n_real, steps.n_real + repair_tiles, unroll=1):
+            state = step(j, state, True)
 
         pipeline_v.consumer_wait(state)
-        fresh = (n_real + repair_tiles - 1) % self.promote_every == 0
-        _gemm(tiled_mma_pv, acc_pv, frag_p, frag_v[None, None, None, state.index], fresh)
+        gemms.issue_pv(state.index, (steps.n_real + repair_tiles - 1) % self.config.promote_every == 0)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(state)
-        alpha.fill(1.0)
-        softmax.accumulate(acc_o, acc_pv, alpha, pending, True)
+        rows.accumulate_last(acc_o, acc_pv)
 
-        piece, n_pieces, slot, piece_sums, piece_anchors, arrivals, seen = split
-        if n_pieces == 1:
+        if piece.count == 1:
             self.store(acc_o, thr_pv, d_v, out, m_block)
         else:
             coords = softmax.rows_view(thr_pv.partition_C(cute.make_identity_tensor((TILE_M, PV_N))))
-            own = slot + piece
-            pieces.write(acc_o, coords, anchor, piece_sums[own, None, None], piece_anchors[own, None])
-            if pieces.arrive(arrivals, seen, wg, tidx % WG_THREADS) == n_pieces - 1:
-                pieces.merge(acc_o, coords, piece_sums, piece_anchors, slot, n_pieces)
+            own = piece.first_slot + piece.index
+            pieces.write(acc_o, coords, rows.anchor, piece.sums[own, None, None], piece.anchors[own, None])
+            if pieces.arrive(piece.arrivals, piece.seen, wg, tidx % WG_THREADS) == piece.count - 1:
+                pieces.merge(acc_o, coords, piece.sums, piece.anchors, piece.first_slot, piece.count)
                 self.store(acc_o, thr_pv, d_v, out, m_block)
 
     @cute.jit
-    def step(self, j: Int32, state, repair: cutlass.Constexpr[bool], mmas, sums, pipes, keys):
+    def step(
+        self,
+        j: Int32,
+        state: pipeline.PipelineState,
+        repair: cutlass.Constexpr[bool],
+        gemms: Gemms,
+        rows: softmax.ExpCastSoftmax,
+        acc_o: cute.Tensor,
+        pipeline_k: pipeline.PipelineAsync,
+        pipeline_v: pipeline.PipelineAsync,
+        steps: Steps,
+        keys: Keys,
+        wg: Int32,
+    ):
         """Step j: QK^T(j) and PV(j - 1) in flight together, then key tile j's softmax, then PV(j - 1)'s sum.
 
-        A repair tile neither moves the max nor the anchor (alpha = 1): its keys encode on the final grid, each
-        with its own K descale (the repair keys come from any block).
+        A repair tile neither moves the max nor the anchor: its keys encode on the final grid, each with its own K
+        descale. ``consume`` binds every argument after ``repair`` once, for the whole loop.
         """
-        tiled_mma_qk, tiled_mma_pv, frag_q, frag_k, frag_v, frag_p, acc_s, acc_pv = mmas
-        scores, key_coords, m, anchor, alpha, pending, acc_o = sums
-        pipeline_k, pipeline_v = pipes
-        (first, n_real, start, n_k), last_tile, last_valid, s, d_k, d_k_repair, wg = keys
         prev = state.clone()
         state.advance()
         pipeline_k.consumer_wait(state)
-        if const_expr(self.pingpong):
-            cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WG_THREADS)
-        _gemm(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, state.index], True)
+        if const_expr(self.config.pingpong):
+            cute.arch.barrier(barrier_id=NamedBarrier.SCHEDULER + wg, number_of_threads=2 * WG_THREADS)
+        gemms.issue_qk(state.index)
         pipeline_v.consumer_wait(prev)
-        fresh = (j - 1) % self.promote_every == 0
-        _gemm(tiled_mma_pv, acc_pv, frag_p, frag_v[None, None, None, prev.index], fresh)
-        if const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + 1 - wg, number_of_threads=2 * WG_THREADS)
+        gemms.issue_pv(prev.index, (j - 1) % self.config.promote_every == 0)
+        if const_expr(self.config.pingpong):
+            cute.arch.barrier_arrive(barrier_id=NamedBarrier.SCHEDULER + 1 - wg, number_of_threads=2 * WG_THREADS)
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(state)
         if const_expr(repair):
-            alpha.fill(1.0)
-            softmax.encode_per_key(scores, key_coords, anchor, s, d_k_repair, (j - n_real) * TILE_N)
+            rows.encode_repair(keys.d_k_repair, (j - steps.n_real) * TILE_N)
         else:
-            tile = self.tile_at(first + j, start, n_k)
-            softmax.online_codes(
-                scores, key_coords, tile == last_tile, last_valid, m, anchor, alpha, s, d_k[tile], False
-            )
+            tile = self.tile_at(steps.first + j, steps)
+            rows.online_codes(tile == keys.last_tile, keys.last_valid, keys.d_k[tile], False)
         # frag_p and acc_pv belong to the PV wgmma until it retires.
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(prev)
-        softmax.accumulate(acc_o, acc_pv, alpha, pending, j % self.promote_every == 0)
-        softmax.pack_codes(acc_s, frag_p)
+        rows.accumulate(acc_o, gemms.acc_pv, j % self.config.promote_every == 0)
+        rows.pack_codes(gemms.frag_p)
         return state
 
     @cute.jit
@@ -499,3 +541,12 @@ class ExpCastAttentionSm90:
             if row < seqlen_q:
                 for i in cutlass.range_constexpr(l_column):
                     out[row, coords[r, i][1]] = (rows[r, i] * scale).to(cutlass.BFloat16)
+
+
+ForwardArgs = NamedTuple(
+    "ForwardArgs",
+    [(name, p.annotation) for name, p in inspect.signature(ExpCastAttentionSm90.__call__).parameters.items()
+     if name not in ("self", "stream")],
+)
+"""The kernel's arguments before the stream, in ``__call__``'s order (its signature is their one home): ``ops``
+builds them by name, as fake tensors to compile and as torch tensors to call the compiled kernel."""

@@ -32,8 +32,8 @@ from ..quant import (
     softmax_scale_or_default,
     v_residual,
 )
+from ..support import HEAD_DIM
 
-HEAD_DIM = 128
 ONES_ROWS = 8
 """Rows of 1.0 after the value channels: the wgmma N grows by 8 (its granule) to 136."""
 PV_N = HEAD_DIM + ONES_ROWS

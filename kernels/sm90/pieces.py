@@ -14,11 +14,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ..split import LOG2_PER_CODE
+from ..expcast import LOG2_PER_CODE
+from .barriers import NamedBarrier
 from .softmax import rows_view
-
-MERGE_BARRIER = 3
-"""Named barriers 3 and 4: consumer warpgroup w syncs its 128 threads on 3 + w (1 and 2 are the ping-pong's)."""
 
 
 @cute.jit
@@ -40,11 +38,11 @@ def arrive(arrivals: cute.Tensor, seen: cute.Tensor, wg: Int32, thread_in_wg: In
     pieces had counted in before it, the same in every thread of the warpgroup (``seen``: one shared Int32 per
     warpgroup)."""
     cute.arch.fence_acq_rel_gpu()  # release this thread's writes before the count that publishes them
-    cute.arch.barrier(barrier_id=MERGE_BARRIER + wg, number_of_threads=128)
+    cute.arch.barrier(barrier_id=NamedBarrier.MERGE + wg, number_of_threads=128)
     if thread_in_wg == 0:
         counter = arrivals.iterator + cute.crd2idx(wg, arrivals.layout)
         seen[wg] = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
-    cute.arch.barrier(barrier_id=MERGE_BARRIER + wg, number_of_threads=128)
+    cute.arch.barrier(barrier_id=NamedBarrier.MERGE + wg, number_of_threads=128)
     return seen[wg]
 
 

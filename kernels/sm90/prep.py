@@ -25,7 +25,6 @@ atomics leave the result deterministic.
 """
 
 import functools
-import os
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -47,6 +46,7 @@ from ..quant import (
 )
 from .softmax import mul_rn
 from .layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS, PV_N, Prepared, write_repair_rows
+from .target import default_to_sm90, row_major_fake as _row_major_fake
 
 THREADS = 256
 WARPS = THREADS // 32
@@ -380,11 +380,6 @@ def _rows_fake(shape: tuple):
     return cute.runtime.make_fake_tensor(Uint8, shape, stride=stride, assumed_align=INPUT_ALIGN)
 
 
-def _row_major_fake(dtype: type[cutlass.Numeric], shape: tuple, align: int):
-    order = tuple(reversed(range(len(shape))))
-    return cute.runtime.make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
-
-
 def load_prep(kind: str, dtype: torch.dtype):
     """``compile_prep(kind, dtype)``, compiled once per machine (``compile_cache``)."""
     name = f"prep_{kind}_{str(dtype).removeprefix('torch.')}"
@@ -396,7 +391,7 @@ def compile_prep(kind: str, dtype: torch.dtype):
     ``CUTE_DSL_ARCH=sm_90a`` to compile without a GPU."""
     if kind not in PREP_KINDS:
         raise ValueError(f"unknown preparation kernel {kind!r}; known: {', '.join(PREP_KINDS)}")
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    default_to_sm90()
     x = _input_fake(TORCH_TO_CUTLASS[dtype])
     b, h, s_pad = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=BLOCK)
     per_head = _row_major_fake(Float32, (b, h), 4)

@@ -19,10 +19,7 @@ from cutlass import Float32, Int32, Uint32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ..expcast import CODE_UNIT, EXPCAST_BIAS, MAX_CODE
-
-LOG2_PER_CODE = 0.125
-"""One code step is 1/8 octave: moving the anchor by k codes scales probabilities by 2^(k/8)."""
+from ..expcast import CODE_UNIT, EXPCAST_BIAS, LOG2_PER_CODE, MAX_CODE
 
 
 def ptx(result_type, operands: list, instruction: str, constraints: str):
@@ -90,138 +87,147 @@ def code_anchor(m: Float32, s: Float32) -> Float32:
     return cute.math.roundeven(Float32(EXPCAST_BIAS) - mul_rn(s, m))
 
 
-@cute.jit
-def mask_keys(scores: cute.Tensor, coords: cute.Tensor, valid_keys: Int32):
-    """Padding keys (column >= valid_keys) get -inf: they must not raise the max; their code is 0.
+class ExpCastSoftmax:
+    """One consumer thread's ExpCast softmax over its two rows of each key tile (FA4's ``Softmax`` in spirit).
 
-    ``coords`` is the rows view of the tile's identity tensor partitioned like ``scores``.
+    Bound once for the whole loop: the QK accumulator ``acc_s`` (the tile's raw scores, encoded in place), its rows
+    view ``scores``, the (row, key) coordinates ``key_coords`` of those values (the rows view of the tile's identity
+    tensor partitioned like them) and ``s``, the codes per raw score unit (d_q included). Row state, (2,) FP32 each:
+    the running max ``m``, the code ``anchor``, ``alpha`` (the last tile's rescale of earlier sums) and ``pending``
+    (O's rescale since the PV sum last moved into it, ``accumulate``).
+
+    The kernel builds its softmax from ``ExpCastAttentionSm90.softmax_class``; notes/probe_*.py subclass this class
+    to leave steps out or swap them.
     """
-    for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-        if coords[0, i][1] >= valid_keys:
-            for r in cutlass.range_constexpr(2):
-                scores[r, i] = -Float32.inf
 
+    def __init__(self, acc_s: cute.Tensor, key_coords: cute.Tensor, s: Float32):
+        self.acc_s = acc_s
+        self.scores = rows_view(acc_s)
+        self.key_coords = key_coords
+        self.m = cute.make_rmem_tensor((2,), Float32)
+        self.anchor = cute.make_rmem_tensor((2,), Float32)
+        self.alpha = cute.make_rmem_tensor((2,), Float32)
+        self.pending = cute.make_rmem_tensor((2,), Float32)
+        self.pending.fill(1.0)
+        self.s = s
 
-@cute.jit
-def update_max(
-    scores: cute.Tensor,
-    m: cute.Tensor,
-    anchor: cute.Tensor,
-    alpha: cute.Tensor,
-    s: Float32,
-    d_k: Float32,
-    is_first: cutlass.Constexpr[bool],
-):
-    """Fold the tile into the running max; move the anchor; ``alpha`` rescales earlier accumulators."""
-    for r in cutlass.range_constexpr(2):
-        tile_max = mul_rn(row_max(scores, r), d_k)
-        if const_expr(is_first):
-            m[r] = tile_max
-            anchor[r] = code_anchor(tile_max, s)
-        else:
-            m[r] = cute.arch.fmax(m[r], tile_max)
-            new_anchor = code_anchor(m[r], s)
-            alpha[r] = Float32(1.0)
-            if new_anchor != anchor[r]:
-                alpha[r] = cute.math.exp2((new_anchor - anchor[r]) * LOG2_PER_CODE, fastmath=True)
-            anchor[r] = new_anchor
+    @cute.jit
+    def online_codes(
+        self, has_padding: cutlass.Boolean, valid_keys: Int32, d_k: Float32, is_first: cutlass.Constexpr[bool]
+    ):
+        """One key tile's softmax step: mask padding keys, fold the max, move the anchor, encode in place."""
+        if has_padding:
+            self.mask_keys(valid_keys)
+        self.update_max(d_k, is_first)
+        self.encode(mul_rn(self.s, d_k))
 
-
-@cute.jit
-def encode(scores: cute.Tensor, anchor: cute.Tensor, coef: Float32):
-    """In place: each raw score becomes ``fma(raw, coef * 2^-24, anchor * 2^-24)``, its code times 2^-24.
-
-    Both scalings are exact (powers of two), so the FFMA's result is the FP32 rounding of the code;
-    ``pack_codes`` rounds it to an integer and clips it at 0. The top score lands on 119 or 120.
-    """
-    unit = Float32(CODE_UNIT)
-    coef = coef * unit
-    for r in cutlass.range_constexpr(2):
-        bias = anchor[r] * unit
+    @cute.jit
+    def mask_keys(self, valid_keys: Int32):
+        """Padding keys (column >= valid_keys) get -inf: they must not raise the max; their code is 0."""
+        scores, coords = self.scores, self.key_coords
         for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-            scores[r, i] = cute.math.fma(scores[r, i], coef, bias)
+            if coords[0, i][1] >= valid_keys:
+                for r in cutlass.range_constexpr(2):
+                    scores[r, i] = -Float32.inf
 
-
-@cute.jit
-def encode_per_key(
-    scores: cute.Tensor, key_coords: cute.Tensor, anchor: cute.Tensor, s: Float32, d_k: cute.Tensor, first: Int32
-):
-    """``encode`` with a coefficient per key (repair keys: ``d_k[first + column]``), on the row's final anchor.
-
-    A repair key's score equals that of the real key it copies, so its code stays at or below the row max's;
-    the zero keys padding the last repair tile score 0, which a row whose scores are all negative encodes above
-    MAX_CODE (127 would be E4M3's NaN, and NaN times their zero values is NaN): codes are clamped to MAX_CODE.
-    """
-    unit = Float32(CODE_UNIT)
-    top = Float32(MAX_CODE * CODE_UNIT)
-    biases = [anchor[r] * unit for r in range(2)]
-    for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-        coef = mul_rn(s, d_k[first + key_coords[0, i][1]]) * unit
+    @cute.jit
+    def update_max(self, d_k: Float32, is_first: cutlass.Constexpr[bool]):
+        """Fold the tile into the running max; move the anchor; ``alpha`` rescales earlier accumulators."""
+        scores, m, anchor, alpha, s = self.scores, self.m, self.anchor, self.alpha, self.s
         for r in cutlass.range_constexpr(2):
-            scores[r, i] = cute.arch.fmin(cute.math.fma(scores[r, i], coef, biases[r]), top)
+            tile_max = mul_rn(row_max(scores, r), d_k)
+            if const_expr(is_first):
+                m[r] = tile_max
+                anchor[r] = code_anchor(tile_max, s)
+            else:
+                m[r] = cute.arch.fmax(m[r], tile_max)
+                new_anchor = code_anchor(m[r], s)
+                alpha[r] = Float32(1.0)
+                if new_anchor != anchor[r]:
+                    alpha[r] = cute.math.exp2((new_anchor - anchor[r]) * LOG2_PER_CODE, fastmath=True)
+                anchor[r] = new_anchor
 
+    @cute.jit
+    def encode(self, coef: Float32):
+        """In place: each raw score becomes ``fma(raw, coef * 2^-24, anchor * 2^-24)``, its code times 2^-24.
 
-@cute.jit
-def pack_codes(codes: cute.Tensor, frag_p: cute.Tensor):
-    """Encoded accumulator -> E4M3 A fragment of the PV wgmma (see layout.py).
+        Both scalings are exact (powers of two), so the FFMA's result is the FP32 rounding of the code;
+        ``pack_codes`` rounds it to an integer and clips it at 0. The top score lands on 119 or 120.
+        """
+        scores, anchor = self.scores, self.anchor
+        unit = Float32(CODE_UNIT)
+        coef = coef * unit
+        for r in cutlass.range_constexpr(2):
+            bias = anchor[r] * unit
+            for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                scores[r, i] = cute.math.fma(scores[r, i], coef, bias)
 
-    ``frag_p`` is ``((4, 2, 2), 1, K/32)``: 16 bytes per 32-key k-block, word ``r + 2 h`` holding row r,
-    k positions ``4 lane + 16 h + 0..3``. Those take accumulator columns ``2 lane + e + 8 c`` of the
-    k-block's 4 column groups, c = 2h (bytes 0, 1) and 2h + 1 (bytes 2, 3): one conversion per column group
-    (e = 0 low half, e = 1 high half), one PRMT per word.
-    """
-    p_words = cute.recast_tensor(frag_p, Uint32)
-    k_blocks = cute.size(frag_p, mode=[2])
-    for kb in cutlass.range_constexpr(k_blocks):
-        for h in cutlass.range_constexpr(2):
+    @cute.jit
+    def encode_repair(self, d_k: cute.Tensor, first: Int32):
+        """A repair tile: ``encode`` with a coefficient per key (``d_k[first + column]``: repair keys come from any
+        block) on the row's final anchor, which the tile does not move (alpha = 1).
+
+        A repair key's score equals that of the real key it copies, so its code stays at or below the row max's;
+        the zero keys padding the last repair tile score 0, which a row whose scores are all negative encodes above
+        MAX_CODE (127 would be E4M3's NaN, and NaN times their zero values is NaN): codes are clamped to MAX_CODE.
+        """
+        self.alpha.fill(1.0)
+        scores, key_coords, anchor, s = self.scores, self.key_coords, self.anchor, self.s
+        unit = Float32(CODE_UNIT)
+        top = Float32(MAX_CODE * CODE_UNIT)
+        biases = [anchor[r] * unit for r in range(2)]
+        for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+            coef = mul_rn(s, d_k[first + key_coords[0, i][1]]) * unit
             for r in cutlass.range_constexpr(2):
-                c = 4 * kb + 2 * h
-                first = pack_codes_f16(codes[1 + 2 * r + 4 * c], codes[2 * r + 4 * c])
-                second = pack_codes_f16(codes[1 + 2 * r + 4 * (c + 1)], codes[2 * r + 4 * (c + 1)])
-                p_words[r + 2 * h + 4 * kb] = byte_perm(first, second, HALF_LOW_BYTES)
+                scores[r, i] = cute.arch.fmin(cute.math.fma(scores[r, i], coef, biases[r]), top)
 
+    @cute.jit
+    def pack_codes(self, frag_p: cute.Tensor):
+        """Encoded accumulator -> E4M3 A fragment of the PV wgmma (see layout.py).
 
-@cute.jit
-def online_codes(
-    scores: cute.Tensor,
-    key_coords: cute.Tensor,
-    has_padding: cutlass.Boolean,
-    valid_keys: Int32,
-    m: cute.Tensor,
-    anchor: cute.Tensor,
-    alpha: cute.Tensor,
-    s: Float32,
-    d_k: Float32,
-    is_first: cutlass.Constexpr[bool],
-):
-    """One key tile's softmax step: mask padding keys, fold the max, move the anchor, encode in place."""
-    if has_padding:
-        mask_keys(scores, key_coords, valid_keys)
-    update_max(scores, m, anchor, alpha, s, d_k, is_first)
-    encode(scores, anchor, mul_rn(s, d_k))
+        ``frag_p`` is ``((4, 2, 2), 1, K/32)``: 16 bytes per 32-key k-block, word ``r + 2 h`` holding row r,
+        k positions ``4 lane + 16 h + 0..3``. Those take accumulator columns ``2 lane + e + 8 c`` of the
+        k-block's 4 column groups, c = 2h (bytes 0, 1) and 2h + 1 (bytes 2, 3): one conversion per column group
+        (e = 0 low half, e = 1 high half), one PRMT per word.
+        """
+        codes = self.acc_s
+        p_words = cute.recast_tensor(frag_p, Uint32)
+        k_blocks = cute.size(frag_p, mode=[2])
+        for kb in cutlass.range_constexpr(k_blocks):
+            for h in cutlass.range_constexpr(2):
+                for r in cutlass.range_constexpr(2):
+                    c = 4 * kb + 2 * h
+                    first = pack_codes_f16(codes[1 + 2 * r + 4 * c], codes[2 * r + 4 * c])
+                    second = pack_codes_f16(codes[1 + 2 * r + 4 * (c + 1)], codes[2 * r + 4 * (c + 1)])
+                    p_words[r + 2 * h + 4 * kb] = byte_perm(first, second, HALF_LOW_BYTES)
 
+    @cute.jit
+    def accumulate(self, acc_o: cute.Tensor, acc_pv: cute.Tensor, promote: cutlass.Boolean):
+        """Rescale the wgmma's sum ``acc_pv`` by ``alpha`` and fold alpha into the row's ``pending`` factor for the
+        FP32 sum ``acc_o`` (rows whose anchor held have alpha = 1 exactly and skip it); then, if ``promote``, move
+        the wgmma's sum into the FP32 one, ``O = fma(O, pending, PV)`` (l, column 128, included), and reset
+        ``pending`` to 1.
 
-@cute.jit
-def accumulate(
-    acc_o: cute.Tensor, acc_pv: cute.Tensor, alpha: cute.Tensor, pending: cute.Tensor, promote: cutlass.Boolean
-):
-    """Rescale the wgmma's sum by ``alpha`` and fold alpha into the row's ``pending`` factor for the FP32 sum
-    (rows whose anchor held have alpha = 1 exactly and skip it); then, if ``promote``, move the wgmma's sum into
-    the FP32 one, ``O = fma(O, pending, PV)`` (l, column 128, included), and reset ``pending`` to 1.
-
-    O is rescaled at promotion, once for every anchor move since the last one, so a move costs 35 FMULs per row
-    instead of 68; with no move, the FMA by 1.0 is the plain add. The promotion stays behind the rescale on
-    purpose: it depends on nothing the softmax computes, and hoisted above it, it would make ptxas wait for the
-    PV wgmma before the softmax.
-    """
-    rows, tile = rows_view(acc_o), rows_view(acc_pv)
-    for r in cutlass.range_constexpr(2):
-        if alpha[r] != Float32(1.0):
-            pending[r] = pending[r] * alpha[r]
-            for i in cutlass.range_constexpr(cute.size(tile, mode=[1])):
-                tile[r, i] = tile[r, i] * alpha[r]
-    if promote:
+        O is rescaled at promotion, once for every anchor move since the last one, so a move costs 35 FMULs per row
+        instead of 68; with no move, the FMA by 1.0 is the plain add. The promotion stays behind the rescale on
+        purpose: it depends on nothing the softmax computes, and hoisted above it, it would make ptxas wait for the
+        PV wgmma before the softmax.
+        """
+        alpha, pending = self.alpha, self.pending
+        rows, tile = rows_view(acc_o), rows_view(acc_pv)
         for r in cutlass.range_constexpr(2):
-            for i in cutlass.range_constexpr(cute.size(rows, mode=[1])):
-                rows[r, i] = cute.math.fma(rows[r, i], pending[r], tile[r, i])
-            pending[r] = Float32(1.0)
+            if alpha[r] != Float32(1.0):
+                pending[r] = pending[r] * alpha[r]
+                for i in cutlass.range_constexpr(cute.size(tile, mode=[1])):
+                    tile[r, i] = tile[r, i] * alpha[r]
+        if promote:
+            for r in cutlass.range_constexpr(2):
+                for i in cutlass.range_constexpr(cute.size(rows, mode=[1])):
+                    rows[r, i] = cute.math.fma(rows[r, i], pending[r], tile[r, i])
+                pending[r] = Float32(1.0)
+
+    @cute.jit
+    def accumulate_last(self, acc_o: cute.Tensor, acc_pv: cute.Tensor):
+        """The last tile's PV: no anchor moves after it (alpha = 1), and its sum moves into O."""
+        self.alpha.fill(1.0)
+        self.accumulate(acc_o, acc_pv, True)
