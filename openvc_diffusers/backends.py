@@ -7,7 +7,7 @@ import functools
 import importlib.util
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry, dispatch_attention_fn
 
 import openvc_kernels
 
@@ -52,7 +52,12 @@ def run_fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def run_sdpa(q, k, v, attn_mask=None, attention_backend=None) -> torch.Tensor:
-    """diffusers' own dispatch, so output is identical to the stock processors'."""
+    """diffusers' own dispatch (``attention_backend``, None for the active one), so output is identical to the stock
+    processors'. Where that would be the "openvc" backend itself, diffusers' native attention."""
+    if attention_backend is None:
+        attention_backend = _AttentionBackendRegistry._active_backend
+    if attention_backend == "openvc":
+        attention_backend = AttentionBackendName.NATIVE
     return dispatch_attention_fn(q, k, v, attn_mask=attn_mask, backend=attention_backend)
 
 

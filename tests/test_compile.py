@@ -34,14 +34,11 @@ def test_compiled_forwards_are_counted_in_one_graph_without_recompiling(caplog, 
     processor = openvc_diffusers.apply(model, {"min_tokens": 0})
     backend = CompileCounter()
     compiled = torch.compile(model, backend=backend)
-    with caplog.at_level(logging.WARNING, "openvc_diffusers"):
-        # The first forward numbers the layers, a change the second one's guards see: one recompile.
-        run_steps(compiled, inputs, [900, 800])
-        # A guard on a count or on the step would fail here, and the error would name it.
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            run_steps(compiled, inputs, [700, 600])
+    # apply numbered the layers: a guard on a count, a layer or the step would fail here, and the error would name it.
+    with caplog.at_level(logging.WARNING, "openvc_diffusers"), torch._dynamo.config.patch(error_on_recompile=True):
+        run_steps(compiled, inputs, [900, 800, 700, 600])
     assert processor.calls == {(SELF, OPENVC): 8, (CROSS, SDPA): 8}
-    assert backend.frame_count == 2
+    assert backend.frame_count == 1
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert [r.getMessage() for r in caplog.records] == [attention_module.REFERENCE_WARNING]
 
