@@ -64,7 +64,8 @@ class Route:
     cross-attention where the keys are not as many as the queries.
     """
 
-    config: OpenVCConfig
+    own_config: OpenVCConfig | None = None
+    """The backend's config; an owner's routes follow the owner's ``config`` (examples/calibrate.py swaps it)."""
     is_cross: bool | None = None
     index: int | None = None
     layer: int | None = None
@@ -74,6 +75,10 @@ class Route:
     compiled_calls: dict | None = None
     """Where compiled calls are counted, None to leave them uncounted; the owner empties it before each forward,
     so that torch.compile's guard on it (empty) holds in every block of a model and at every step."""
+
+    @property
+    def config(self) -> OpenVCConfig:
+        return self.own_config if self.owner is None else self.owner.config
 
     @property
     def step(self) -> int | None:
@@ -111,7 +116,7 @@ def register(config=None) -> None:
     calls follow ``config``: anything ``load_config`` takes; None reads ``$OPENVC_CONFIG`` or the defaults.
     Calling it again names another config for the calls that no Open-VC processor routes."""
     global _registered
-    _registered = Route(load_config(config))
+    _registered = Route(own_config=load_config(config))
     _AttentionBackendRegistry.register(OPENVC, constraints=[_check_device, _check_shape], supports_context_parallel=True)(
         openvc_attention
     )

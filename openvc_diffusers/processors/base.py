@@ -102,7 +102,6 @@ class OpenVCProcessorBase:
             index = None if is_cross else self.layer_count
             self.layer_count += not is_cross
             route = Route(
-                self.config,
                 is_cross=is_cross,
                 index=index,
                 layer=index if index in self.config.bf16_layers else None,
