@@ -149,6 +149,11 @@ def openvc_attention(
         )
     route = IN_FLIGHT.route
     if route is None:
+        if _registered.config.bf16_layers or _registered.config.bf16_steps:
+            warn_once(
+                "Open-VC: bf16_layers and bf16_steps need layer and step numbers, which the backend alone does not "
+                "have: openvc_diffusers.apply(pipe, config) numbers them (and routes through this backend)"
+            )
         return attend(_registered, query, key, value, attn_mask=attn_mask, parallel_config=_parallel_config)
     # An Open-VC processor's call: through its _attend, which subclasses extend (examples/ time and capture there).
     out = route.owner._attend(route.attn, query, key, value, is_cross=route.is_cross, attn_mask=attn_mask)
