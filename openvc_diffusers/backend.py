@@ -33,8 +33,10 @@ from .parallel import heads_to_sequence, sequence_to_heads, ulysses_group
 from .policy import SDPA, Call, decide
 
 NAME = "openvc"
-TESTED_DIFFUSERS = ((0, 36), (0, 43))
-"""diffusers releases the registration was tested on: from the first (inclusive) to the second (exclusive)."""
+TESTED_DIFFUSERS = ((0, 37), (0, 43))
+"""diffusers releases the package was tested on: from the first (inclusive) to the second (exclusive). The registry's
+``supports_context_parallel`` dates from 0.36; 0.37 is the first whose Wan context-parallel plan leaves the text
+context whole on every rank, which Ulysses here relies on (cross-attention takes no all-to-all)."""
 
 
 def check_diffusers_version(version: str = diffusers.__version__) -> None:
