@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from openvc_diffusers import cli
 from openvc_kernels import attention, attention_prepared, prepare
 
 HEAD_DIM = 128
@@ -175,16 +176,25 @@ CAPTURE_FORMAT = "openvc-qkv/1"
 CAPTURED_NAME = re.compile(r"step(\d+)\.layer(\d+)\.([qkv])")
 
 
+def check_captured(path: str) -> None:
+    """Raises ValueError unless ``path`` is an examples/capture.py file, from its header (no tensors read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            found = (f.metadata() or {}).get("format")
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a safetensors file ({e})") from None
+    if found != CAPTURE_FORMAT:
+        raise ValueError(f"{path} is not an examples/capture.py file: format {found!r}, expected {CAPTURE_FORMAT!r}")
+
+
 def load_captured(path: str) -> list[tuple[str, list[torch.Tensor]]]:
     """``(name, [q, k, v])`` per captured step and layer of an examples/capture.py file ("step0.layer15"), in
     step-then-layer order, on the CPU as saved."""
-    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    with safe_open(path, "pt") as f:
-        found = (f.metadata() or {}).get("format")
-    if found != CAPTURE_FORMAT:
-        raise ValueError(f"{path} is not an examples/capture.py file: format {found!r}, expected {CAPTURE_FORMAT!r}")
+    check_captured(path)
     entries = {}
     for key, tensor in load_file(path).items():
         match = CAPTURED_NAME.fullmatch(key)
@@ -299,18 +309,56 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> list[dict]:
+def shapes(text: str) -> list[tuple[int, int]]:
+    """An argparse type: comma-separated SxH, tokens x heads, such as 32760x12."""
+    out = []
+    for part in text.split(","):
+        seq, _, heads = part.partition("x")
+        try:
+            out.append((cli.positive_int(seq), cli.positive_int(heads)))
+        except argparse.ArgumentTypeError:
+            where = f" in {text!r}" if part != text else ""
+            raise argparse.ArgumentTypeError(
+                f"{part!r}{where} is not SxH: tokens x heads, both >= 1, such as 32760x12"
+            ) from None
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=SHAPES, help="comma-separated SxH (default: %(default)s)")
-    parser.add_argument("--json", default="bench_attention.json", help="where to write the rows (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="order of the methods and the inputs")
+    parser.add_argument(
+        "--shapes",
+        type=shapes,
+        help=f"comma-separated SxH (default: {SHAPES}; with --repair: {REPAIR_SHAPES})",
+    )
+    parser.add_argument(
+        "--json",
+        type=cli.writable_file,
+        default="bench_attention.json",
+        help="where to write the rows (default: %(default)s)",
+    )
+    parser.add_argument("--seed", type=cli.seed, default=0, help="order of the methods and the inputs")
     parser.add_argument("--repair", action="store_true", help="the V residual repair and K smoothing sweep")
     parser.add_argument("--inputs", metavar="FILE", help="time on Q, K, V saved by examples/capture.py instead")
     args = parser.parse_args(argv)
     if args.inputs and args.repair:
         parser.error("--inputs and --repair do not combine: the repair sweep draws its own inputs")
+    if args.inputs and args.shapes:
+        parser.error("--inputs and --shapes do not combine: the captured tensors have their own shapes")
     if args.inputs and not os.path.isfile(args.inputs):
         parser.error(f"--inputs {args.inputs}: no such file (examples/capture.py writes one)")
+    try:
+        if args.inputs:
+            check_captured(args.inputs)
+    except ValueError as e:
+        parser.error(f"--inputs {e}")
+    if args.shapes is None:
+        args.shapes = [] if args.inputs else shapes(REPAIR_SHAPES if args.repair else SHAPES)
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU (Hopper for Open-VC)")
     random.seed(args.seed)
@@ -318,9 +366,7 @@ def main(argv=None) -> list[dict]:
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "clocks_before": clocks()}
     log(f"{meta['gpu']}, clocks (sm, mem, temp, power) before: {meta['clocks_before']}")
     rows = bench_captured(args.inputs) if args.inputs else []
-    shapes = "" if args.inputs else REPAIR_SHAPES if args.repair and args.shapes == SHAPES else args.shapes
-    for shape in filter(None, shapes.split(",")):
-        seq, heads = map(int, shape.split("x"))
+    for seq, heads in args.shapes:
         log(f"S={seq} H={heads}")
         if args.repair:
             rows.extend(bench_repair(seq, heads))
@@ -329,6 +375,7 @@ def main(argv=None) -> list[dict]:
         torch.cuda.empty_cache()
     meta["clocks_after"] = clocks()
     log(f"clocks after: {meta['clocks_after']}")
+    cli.create_parent(args.json)
     with open(args.json, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     log(repair_table(rows) if args.repair else table(rows))

@@ -51,6 +51,7 @@ from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from openvc_diffusers import cli
 from openvc_diffusers.backends import fa4_installed
 from openvc_diffusers.metrics import psnr, ssim
 from openvc_diffusers.pipelines import install
@@ -92,41 +93,24 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: expected an int >= 1")
-    return value
-
-
-def names_from(choices, what: str):
-    """An argparse type: comma-separated names, each one of ``choices`` (``what`` names them in errors)."""
-
-    def parse(text: str) -> list[str]:
-        names = text.split(",")
-        unknown = [n for n in names if n not in choices]
-        if unknown:
-            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown)}; choose from {', '.join(choices)}")
-        return names
-
-    return parse
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--size", type=names_from(SIZES, "size"), help="comma-separated, from 480p and 720p (default: both)"
+        "--size", type=cli.names_from(SIZES, "size"), help="comma-separated, from 480p and 720p (default: both)"
     )
-    parser.add_argument("--steps", type=positive_int, default=3, help="timed denoising steps (default: %(default)s)")
+    parser.add_argument(
+        "--steps", type=cli.positive_int, default=3, help="timed denoising steps (default: %(default)s)"
+    )
     parser.add_argument("--cfg", action="store_true", help="classifier-free guidance: two forwards per step")
     parser.add_argument(
         "--decode-frames",
-        type=int,
+        type=cli.nonnegative_int,
         default=2,
-        help="latent frames to decode for the frame PSNR, 0 for none (default: %(default)s, 5 video frames)",
+        help="latent frames to decode for the frame PSNR, 0 for none, at most the run's latent frames (21, 2 with "
+        "--tiny) (default: %(default)s, 5 video frames)",
     )
     parser.add_argument(
-        "--layers", type=positive_int, help="transformer blocks (default: 30, or 1 with --single-block-14b)"
+        "--layers", type=cli.positive_int, help="transformer blocks (default: 30, or 1 with --single-block-14b)"
     )
     parser.add_argument(
         "--single-block-14b",
@@ -140,12 +124,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the tiny random Wan, float32 on the CPU, sdpa and openvc only (default where there is no CUDA)",
     )
     parser.add_argument(
-        "--json", default="bench_pipeline.json", help="where to write the results (default: %(default)s)"
+        "--json",
+        type=cli.writable_file,
+        default="bench_pipeline.json",
+        help="where to write the results (default: %(default)s)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="weights, inputs and backend order (default: 0)")
+    parser.add_argument("--seed", type=cli.seed, default=0, help="weights, inputs and backend order (default: 0)")
     args = parser.parse_args(argv)
-    if args.decode_frames < 0:
-        parser.error(f"--decode-frames must be >= 0, got {args.decode_frames}")
     full_size_options = args.size or args.layers or args.single_block_14b
     if args.tiny and full_size_options:
         parser.error("--tiny has its own size and layers: --size, --layers and --single-block-14b do not apply")
@@ -153,6 +138,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.tiny = not (torch.cuda.is_available() or full_size_options)
     if not args.tiny and not torch.cuda.is_available():
         parser.error("the full-size benchmark needs a CUDA GPU; --tiny runs on the CPU")
+    latent_frames = min(latent[0] for latent in latent_sizes(args).values())
+    if args.decode_frames > latent_frames:
+        video = "tiny model's" if args.tiny else "81-frame"
+        parser.error(
+            f"argument --decode-frames: {args.decode_frames} is more than the {latent_frames} latent frames of the "
+            f"{video} video"
+        )
     return args
 
 
@@ -420,6 +412,7 @@ def main(argv=None) -> dict:
     if meta["clocks_after"]:
         log(f"clocks after: {meta['clocks_after']}")
     results = {"meta": meta, "rows": rows}
+    cli.create_parent(args.json)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
     log(f"wrote {args.json}; PSNR: final latents, then decoded frames, against the sdpa run")

@@ -53,8 +53,6 @@ from bench_pipeline import (
     elapsed_ms,
     make_inputs,
     mark,
-    names_from,
-    positive_int,
 )
 from bench_pipeline import log as print_line
 from diffusers import WanTransformer3DModel
@@ -62,6 +60,7 @@ from diffusers import WanTransformer3DModel
 import openvc_diffusers
 import openvc_diffusers.backend as backend_module
 import openvc_diffusers.processors.base as processor_base
+from openvc_diffusers import cli
 from openvc_diffusers.backends import fa4_unavailable_reason
 from openvc_diffusers.metrics import rel_l2
 from openvc_diffusers.tiny import cast_like_from_pretrained, tiny_wan_inputs, tiny_wan_transformer
@@ -87,24 +86,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--backends",
-        type=names_from(BACKENDS, "backend"),
+        type=cli.names_from(BACKENDS, "backend"),
         default=list(BACKENDS),
         help="comma-separated (default: openvc,fa4)",
     )
     parser.add_argument(
-        "--heads", type=positive_int, help="attention heads of 128 (default: 40, Wan 14B's); the width is heads x 128"
+        "--heads",
+        type=cli.positive_int,
+        help="attention heads of 128 (default: 40, Wan 14B's); the width is heads x 128",
     )
     parser.add_argument("--size", choices=SIZES, help="latent size of an 81-frame video (default: 720p)")
     for name in ("frames", "height", "width"):
-        parser.add_argument(f"--{name}", type=positive_int, help=f"latent {name}, in place of --size's")
-    parser.add_argument("--iters", type=positive_int, default=10, help="timed forwards per run (default: %(default)s)")
+        parser.add_argument(f"--{name}", type=cli.positive_int, help=f"latent {name}, in place of --size's")
+    parser.add_argument(
+        "--iters", type=cli.positive_int, default=10, help="timed forwards per run (default: %(default)s)"
+    )
     parser.add_argument(
         "--tiny", action="store_true", help="the tiny random Wan, float32 on CPU processes over gloo (a smoke test)"
     )
     parser.add_argument(
-        "--json", default="bench_ulysses.json", help="where rank 0 writes the results (default: %(default)s)"
+        "--json",
+        type=cli.writable_file,
+        default="bench_ulysses.json",
+        help="where rank 0 writes the results (default: %(default)s)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="weights and inputs (default: 0)")
+    parser.add_argument("--seed", type=cli.seed, default=0, help="weights and inputs (default: 0)")
     args = parser.parse_args(argv)
     full_size = [f"--{n}" for n in ("heads", "size", "frames", "height", "width") if getattr(args, n) is not None]
     if args.tiny and full_size:
@@ -456,6 +462,7 @@ def bench(args: argparse.Namespace, degree: int, device: torch.device) -> dict |
     if dist.get_rank() != 0:
         return None
     results = {"meta": meta, "backends": backends}
+    cli.create_parent(args.json)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
     log(f"wrote {args.json}")

@@ -29,12 +29,13 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from openvc_diffusers import load_config
+from openvc_diffusers import cli, load_config
 from openvc_diffusers.pipelines import (
     TINY_CONFIG,
     ModelNotAvailableError,
     add_pipeline_arguments,
     call_kwargs,
+    check_pipeline_arguments,
     install,
     load_pipeline,
 )
@@ -46,16 +47,25 @@ STOCK_CONFIG = {"backends": ["sdpa"]}
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pipeline_arguments(parser)
-    parser.add_argument("--config", help="YAML config to start from; its bf16_layers are replaced by the measured ones")
+    parser.add_argument(
+        "--config", type=cli.config, help="YAML config to start from; its bf16_layers are replaced by the measured ones"
+    )
     # Open-VC's error on real video-model activations is about 3% rel-L2: twice that marks an outlier layer.
     parser.add_argument(
         "--threshold",
-        type=float,
+        type=cli.nonnegative_float,
         default=0.06,
-        help="layers whose Open-VC rel-L2 is above this are kept in BF16 (default: %(default)s)",
+        help="a rel-L2 >= 0: layers whose Open-VC rel-L2 is above this are kept in BF16 (default: %(default)s)",
     )
-    parser.add_argument("--output", default="outputs", help="directory for calibrated.yaml and calibration.png")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--output",
+        type=cli.writable_dir,
+        default="outputs",
+        help="directory for calibrated.yaml and calibration.png (default: outputs)",
+    )
+    args = parser.parse_args(argv)
+    check_pipeline_arguments(parser, args)
+    return args
 
 
 class LayerError:

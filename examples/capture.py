@@ -34,17 +34,18 @@ metadata with `safetensors.safe_open(path, "pt").metadata()`.
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 from safetensors.torch import save_file
 
+from openvc_diffusers import cli
 from openvc_diffusers.pipelines import (
     TINY_STEPS,
     ModelNotAvailableError,
     add_pipeline_arguments,
     call_kwargs,
+    check_pipeline_arguments,
     install,
     load_pipeline,
     steps_kwargs,
@@ -53,6 +54,11 @@ from openvc_diffusers.pipelines import (
 FORMAT = "openvc-qkv/1"
 # diffusers' stock attention, so the captured activations are those of an unmodified run.
 STOCK_CONFIG = {"backends": ["sdpa"]}
+
+
+# No video pipeline has this many layers or denoising steps; the bound keeps a range such as 0-1000000000 from
+# filling memory with the indices it names.
+MAX_INDEX = 999
 
 
 def indices(text: str) -> list[int]:
@@ -64,8 +70,10 @@ def indices(text: str) -> list[int]:
             start, stop = int(first), int(last or first)
         except ValueError:
             start = stop = -1
-        if not 0 <= start <= stop:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected ints >= 0 and ranges a-b, such as 0,2,5-7")
+        if not 0 <= start <= stop <= MAX_INDEX:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected indices 0-{MAX_INDEX} and ranges a-b with a <= b, such as 0,2,5-7"
+            )
         out.update(range(start, stop + 1))
     return sorted(out)
 
@@ -74,17 +82,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pipeline_arguments(parser)
     parser.add_argument(
-        "--layers", type=indices, default=[0], help="self-attention layers, e.g. 0,15,28-29 (default: 0)"
+        "--layers", type=indices, default=[0], help="self-attention layers 0-999, e.g. 0,15,28-29 (default: 0)"
     )
-    parser.add_argument("--steps", type=indices, default=[0], help="denoising steps, e.g. 0,25-26 (default: 0)")
+    parser.add_argument(
+        "--steps", type=indices, default=[0], help="denoising steps within the schedule, e.g. 0,25-26 (default: 0)"
+    )
     parser.add_argument(
         "--num-inference-steps",
-        type=int,
+        type=cli.positive_int,
         help=f"length of the denoising schedule (default: {TINY_STEPS} with --tiny, the pipeline's own with --model)",
     )
-    parser.add_argument("--config", help="YAML config to run the pipeline through Open-VC (default: stock attention)")
-    parser.add_argument("--output", default="outputs/qkv.safetensors", help="file to write (default: %(default)s)")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--config", type=cli.config, help="YAML config to run the pipeline through Open-VC (default: stock attention)"
+    )
+    parser.add_argument(
+        "--output",
+        type=cli.writable_file,
+        default="outputs/qkv.safetensors",
+        help="file to write (default: %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    check_pipeline_arguments(parser, args)
+    check_steps_in_schedule(parser, args)
+    return args
+
+
+def check_steps_in_schedule(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--steps within the schedule, where its length is known before the pipeline is loaded."""
+    schedule = steps_kwargs(args, args.num_inference_steps).get("num_inference_steps")
+    if schedule is None:  # the pipeline's own default, known once it is loaded
+        return
+    beyond = [step for step in args.steps if step >= schedule]
+    if beyond:
+        parser.error(
+            f"argument --steps: {', '.join(map(str, beyond))} past the end of the {schedule}-step denoising schedule "
+            f"(steps 0-{schedule - 1}); --num-inference-steps sets its length"
+        )
 
 
 class CaptureComplete(Exception):
@@ -157,7 +190,7 @@ def main(argv=None) -> dict[str, torch.Tensor]:
         sys.exit(str(e))
 
     tensors = capture(pipe, args)
-    os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
+    cli.create_parent(args.output)
     save_file(tensors, args.output, metadata=metadata(args, tensors))
     for name, x in tensors.items():
         print(f"{name}: {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}")

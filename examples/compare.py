@@ -17,32 +17,55 @@ lower than the PSNR generate.py prints, which it takes on the frames before enco
 import argparse
 import csv
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from openvc_diffusers import cli
 from openvc_diffusers.metrics import psnr, psnr_per_frame, ssim_per_frame
-from openvc_diffusers.video import VIDEO_EXTENSIONS, read_video
+from openvc_diffusers.video import VIDEO_EXTENSIONS, VideoError, check_pair, read_pair
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("reference", type=Path, help="a video, or a folder of videos (e.g. the BF16 runs)")
     parser.add_argument("candidate", type=Path, help="a video, or a folder of videos with the same file names")
-    parser.add_argument("--output", default="outputs", help="directory for compare.csv and compare_psnr.png")
+    parser.add_argument(
+        "--output",
+        type=cli.writable_dir,
+        default="outputs",
+        help="directory for compare.csv and compare_psnr.png (default: outputs)",
+    )
     parser.add_argument(
         "--device",
+        type=cli.device,
         default="cuda" if torch.cuda.is_available() else "cpu",
-        help="device for LPIPS (default: cuda if available)",
+        help="cpu, cuda or cuda:N for LPIPS (default: cuda if available)",
     )
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The arguments, with ``pairs``: (name, reference, candidate) of each pair of videos, every file checked to
+    be a video and the two of a pair to have frames of one size (their frame counts are known once read)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.pairs = video_pairs(args.reference, args.candidate)
+        for _, reference, candidate in args.pairs:
+            check_pair(reference, candidate)
+    except ValueError as e:  # VideoError among them
+        parser.error(str(e))
+    return args
 
 
 def video_pairs(reference: Path, candidate: Path) -> list[tuple[str, Path, Path]]:
     """(name, reference, candidate) for two files, or for the files two folders share by name."""
+    for path in (reference, candidate):
+        if not path.exists():
+            raise ValueError(f"{str(path)!r}: no such file or folder")
     if reference.is_file() and candidate.is_file():
         return [(candidate.name, reference, candidate)]
     if not (reference.is_dir() and candidate.is_dir()):
@@ -140,18 +163,15 @@ def print_table(results: dict[str, dict]) -> None:
 
 def main(argv=None) -> dict[str, dict]:
     args = parse_args(argv)
-    try:
-        pairs = video_pairs(args.reference, args.candidate)
-    except ValueError as e:
-        sys.exit(str(e))
     lpips_model = load_lpips(args.device)
 
     results = {}
-    for name, reference, candidate in tqdm(pairs, desc="comparing", unit="video"):
-        try:
-            results[name] = compare(read_video(reference), read_video(candidate), lpips_model, args.device)
-        except ValueError as e:  # unreadable, or frames of different count or size
-            sys.exit(f"{name}: {e}")
+    try:
+        with tqdm(args.pairs, desc="comparing", unit="video") as pairs:  # closed before the error is printed
+            for name, reference, candidate in pairs:
+                results[name] = compare(*read_pair(reference, candidate), lpips_model, args.device)
+    except VideoError as e:  # frame counts that differ: only reading the videos tells
+        build_parser().error(str(e))
 
     print_table(results)
     os.makedirs(args.output, exist_ok=True)

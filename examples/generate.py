@@ -18,6 +18,7 @@ import torch
 from diffusers.utils import export_to_video
 
 import openvc_diffusers
+from openvc_diffusers import cli
 from openvc_diffusers.metrics import psnr, ssim
 from openvc_diffusers.pipelines import (
     TINY_CONFIG,
@@ -25,6 +26,7 @@ from openvc_diffusers.pipelines import (
     ModelNotAvailableError,
     add_pipeline_arguments,
     call_kwargs,
+    check_pipeline_arguments,
     load_pipeline,
     pipeline_transformers,
     steps_kwargs,
@@ -34,20 +36,30 @@ from openvc_diffusers.pipelines import (
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pipeline_arguments(parser)
-    parser.add_argument("--output", default="outputs", help="directory for the three mp4 files (default: outputs)")
+    parser.add_argument(
+        "--output",
+        type=cli.writable_dir,
+        default="outputs",
+        help="directory for the three mp4 files (default: outputs)",
+    )
     parser.add_argument(
         "--steps",
-        type=int,
+        type=cli.positive_int,
         help=f"denoising steps (default: {TINY_STEPS} with --tiny, the pipeline's own with --model)",
     )
     parser.add_argument(
         "--config",
+        type=cli.config,
         help="YAML config for Open-VC. Default with --tiny: {'min_tokens': 0}, because the tiny model's sequences "
         "are short enough that the default policy would keep every call on the BF16 fallback; with --model: "
         "the defaults (configs/default.yaml).",
     )
-    parser.add_argument("--fps", type=int, default=16, help="frame rate of the written videos (default: 16)")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--fps", type=cli.positive_int, default=16, help="frame rate of the written videos (default: 16)"
+    )
+    args = parser.parse_args(argv)
+    check_pipeline_arguments(parser, args)
+    return args
 
 
 def _synchronize(device: torch.device) -> None:

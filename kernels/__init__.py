@@ -7,9 +7,10 @@ from .expcast import expcast_decode, expcast_encode
 from .ops import attention, attention_prepared, prepare
 from .reference import reference_attention, visiting_order
 from .sm90.layout import Prepared, prepare_reference
-from .support import kernel_unavailable_reason
+from .support import KernelUnavailableError, kernel_unavailable_reason
 
 __all__ = [
+    "KernelUnavailableError",
     "Prepared",
     "attention",
     "attention_prepared",

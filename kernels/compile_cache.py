@@ -12,9 +12,12 @@ import hashlib
 import importlib.metadata
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+from .support import REINSTALL, KernelUnavailableError, missing_package_reason
 
 CACHE_ENV = "OPENVC_KERNEL_CACHE"
 ARCH = "sm_90a"
@@ -51,10 +54,13 @@ def load_or_compile(name: str, compile_fn: Callable[[], Callable]) -> Callable:
 
     ``compile_fn`` returns a ``cute.compile(..., options="--enable-tvm-ffi")`` result; the loaded and the
     compiled kernel take the same arguments. A cache that cannot be read or written costs a compile, never
-    a failure.
+    a failure; a missing package or a failed compile raises ``KernelUnavailableError`` naming cause and fix.
     """
     if name in _loaded:
         return _loaded[name]
+    missing = missing_package_reason()
+    if missing is not None:
+        raise KernelUnavailableError(missing)
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
     import cutlass.cute as cute
 
@@ -66,10 +72,22 @@ def load_or_compile(name: str, compile_fn: Callable[[], Callable]) -> Callable:
         except Exception as error:  # a truncated or foreign file: compile and replace it
             logger.warning("openvc: recompiling %s, the cached %s did not load (%s)", name, path, error)
     if kernel is None:
-        kernel = compile_fn()
+        try:
+            kernel = compile_fn()
+        except Exception as error:
+            raise KernelUnavailableError(
+                f"the FP8 kernel {name} failed to compile: {_first_line(error)}; fix: {REINSTALL} with its pinned "
+                "nvidia-cutlass-dsl[cu13] and apache-tvm-ffi, and report the chained error if that does not help"
+            ) from error
         _export(kernel, path, symbol)
     _loaded[name] = kernel
     return kernel
+
+
+def _first_line(error: Exception) -> str:
+    """The first line of an error's message, without the DSL's terminal colours."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def _export(kernel, path: Path, symbol: str) -> None:

@@ -16,7 +16,8 @@ from .sm90.layout import HEAD_DIM, PV_N, Prepared
 from .compile_cache import load_or_compile
 from .quant import BLOCK, num_blocks, softmax_scale_or_default
 from .split import TailSplit, plan_tail_split
-from .support import KERNEL_DTYPES, kernel_unavailable_reason
+from .forward_only import raise_on_backward
+from .support import KERNEL_DTYPES, KernelUnavailableError, input_unsupported_reason
 from .validation import check_attention_args
 
 OUT_DTYPE = torch.bfloat16
@@ -90,7 +91,7 @@ def prepare(
     check_attention_args(
         q, k, v, repair_ratio=repair_ratio, window=None, repair_ranking=repair_ranking, dtypes=KERNEL_DTYPES
     )
-    reason = kernel_unavailable_reason(q.device, q.dtype, q.shape[-1])
+    reason = input_unsupported_reason(q.device, q.dtype, q.shape[-1])
     if reason is not None:
         raise ValueError(reason)
     from .sm90 import prep
@@ -99,6 +100,20 @@ def prepare(
         q, k, v, smooth_k=smooth_k, repair_ratio=repair_ratio, repair_ranking=repair_ranking,
         softmax_scale=softmax_scale,
     )
+
+
+@functools.cache
+def build_failure(dtype: torch.dtype, *, plain_order: bool, smooth_k: bool, repair: bool) -> str | None:
+    """Compile (or load) every kernel a call with these options runs; None when they are ready, else the
+    ``KernelUnavailableError`` message (cause and fix), so that a caller can fall back instead of failing."""
+    try:
+        from .sm90 import prep
+
+        prep.load_kernels(dtype, smooth_k=smooth_k, energy=repair)
+        _kernel(plain_order)
+    except KernelUnavailableError as error:
+        return str(error)
+    return None
 
 
 @functools.cache
@@ -173,6 +188,9 @@ def _(q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking):
     return q.new_empty(q.shape, dtype=OUT_DTYPE)
 
 
+_attention_op.register_autograd(raise_on_backward)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -192,7 +210,9 @@ def attention(
     ("attention" or "energy", as in ``reference_attention``). Matches
     ``reference_attention(..., accumulation="wgmma", sm_count=ops.sm_count(device))`` (the tail split, ``split.py``)
     to rel-L2 1e-3 (FP32 order and the MUFU exponentials); the exact-sum reference differs by ~4e-3 (the FP8
-    wgmma's 14-bit sums move a few codes).
+    wgmma's 14-bit sums move a few codes). Forward-only: a backward through the output raises. Raises
+    ``ValueError`` for inputs the kernel cannot take and ``KernelUnavailableError`` (cause and fix) where its
+    packages are missing or it fails to compile.
     """
     check_attention_args(
         q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking,

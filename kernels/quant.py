@@ -6,8 +6,11 @@ All tensors here are head-major, ``(B, H, S, D)``; the public entry points take 
 """
 
 import math
+from typing import NamedTuple
 
 import torch
+
+from .expcast import CODES_PER_NAT
 
 FP8_MAX = 448.0
 BLOCK = 128
@@ -33,21 +36,83 @@ def _scale_and_descale(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def quantize_per_block(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(B, H, S, D)`` -> FP8 ``(B, H, S_pad, D)`` zero-padded to whole blocks, descales ``(B, H, n_blocks)``."""
+    """``(B, H, S, D)`` -> FP8 ``(B, H, S_pad, D)`` zero-padded to whole blocks, descales ``(B, H, n_blocks)``;
+    both contiguous, whatever the strides of ``x`` (a transposed view of diffusers' layout)."""
     b, h, s, d = x.shape
     n = num_blocks(s)
     padded = torch.nn.functional.pad(x.float(), (0, 0, 0, n * BLOCK - s))
     blocks = padded.view(b, h, n, BLOCK, d)
     scale, descale = _scale_and_descale(blocks.abs().amax(dim=(3, 4)))
-    x8 = _e4m3(blocks * scale[..., None, None]).view(b, h, n * BLOCK, d)
+    x8 = _e4m3(blocks * scale[..., None, None]).contiguous().view(b, h, n * BLOCK, d)
     return x8, descale
 
 
 def quantize_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(B, H, S, D)`` -> FP8 ``(B, H, S, D)`` and descales ``(B, H)``."""
+    """``(B, H, S, D)`` -> FP8 ``(B, H, S, D)`` and descales ``(B, H)``, both contiguous."""
     x = x.float()
     scale, descale = _scale_and_descale(x.abs().amax(dim=(2, 3)))
-    return _e4m3(x * scale[..., None, None]), descale
+    return _e4m3(x * scale[..., None, None]).contiguous(), descale
+
+
+CODE_SPAN_LIMIT = 2.0**24
+"""The most codes a score may lie from 0. Up to it, the FP32 anchor ``rne(119.65 - s m)`` and the product ``s m``
+keep the row max's code within two codes of 119.65; past 2^26 it can reach 127, E4M3's NaN, and far past it a
+row can end with no code above 0 (l = 0). 2^24 codes are 1.45e6 nats."""
+
+
+def limit_code_span(d_q: torch.Tensor, d_k: torch.Tensor, softmax_scale: float, head_dim: int) -> torch.Tensor:
+    """``d_q`` as the codes use it: lowered, per query block, where a score could lie more than
+    ``CODE_SPAN_LIMIT`` codes from 0, so that it cannot; ``d_q`` itself (bitwise) everywhere else.
+
+    A score's codes are ``s d_K raw`` with ``s = tau * 8 log2(e) * d_Q`` and ``|raw| <= D * 448^2``; the bound
+    uses each head's largest key-block descale. Only d_Q sets ``s`` (the output is ``d_V acc / l``), so lowering
+    it scales the scores down, a higher softmax temperature. With ``tau = 1 / sqrt(128)`` that takes absmaxes
+    whose product ``a_Q a_K`` exceeds 128,000 (logits that could reach 10^6 nats), where the softmax is one key's.
+    """
+    per_descale = softmax_scale * CODES_PER_NAT * head_dim * FP8_MAX * FP8_MAX
+    d_k_max = d_k.amax(dim=-1, keepdim=True)
+    return torch.minimum(d_q, (CODE_SPAN_LIMIT / per_descale) / d_k_max)
+
+
+def poison_non_finite(d_q: torch.Tensor, d_k: torch.Tensor, d_v: torch.Tensor) -> torch.Tensor:
+    """``d_v`` (B, H), NaN for each (batch, head) whose Q, K or V holds an inf or NaN (its absmax, hence its
+    descale, is then not finite): that head's whole output is NaN, as documented, whatever the kernel's
+    arithmetic does with the non-finite bytes."""
+    finite = torch.isfinite(d_q).all(dim=-1) & torch.isfinite(d_k).all(dim=-1) & torch.isfinite(d_v)
+    return d_v.masked_fill(~finite, math.nan)
+
+
+class Quantized(NamedTuple):
+    """Q, K and V in FP8 (head-major, contiguous) with the descales the kernel reads: ``d_q`` (B, H, n_q) after
+    ``limit_code_span``, ``d_k`` (B, H, n_k), ``d_v`` (B, H) after ``poison_non_finite``."""
+
+    q8: torch.Tensor
+    d_q: torch.Tensor
+    k8: torch.Tensor
+    d_k: torch.Tensor
+    v8: torch.Tensor
+    d_v: torch.Tensor
+
+
+def quantize_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool, softmax_scale: float
+) -> Quantized:
+    """The kernel's quantization of ``(B, S, H, D)`` q, k, v: Q and K per block (K minus its channel mean with
+    ``smooth_k``), V per head, and the descale guards. The reference and the PyTorch preparation both start here;
+    the fused preparation writes the same bytes and applies the same guards (``apply_descale_guards``)."""
+    q8, d_q = quantize_per_block(q.transpose(1, 2))
+    k_heads = k.transpose(1, 2)
+    k8, d_k = quantize_per_block(smooth_keys(k_heads) if smooth_k else k_heads)
+    v8, d_v = quantize_per_head(v.transpose(1, 2))
+    d_q, d_v = apply_descale_guards(d_q, d_k, d_v, softmax_scale, head_dim=q.shape[-1])
+    return Quantized(q8, d_q, k8, d_k, v8, d_v)
+
+
+def apply_descale_guards(
+    d_q: torch.Tensor, d_k: torch.Tensor, d_v: torch.Tensor, softmax_scale: float, *, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``limit_code_span(d_q)`` and ``poison_non_finite(d_v)``, from the descales as quantization wrote them."""
+    return limit_code_span(d_q, d_k, softmax_scale, head_dim), poison_non_finite(d_q, d_k, d_v)
 
 
 def channel_mean(k: torch.Tensor) -> torch.Tensor:

@@ -11,23 +11,23 @@ on two CPU cores. Rounding can differ from the kernel only in FP32 accumulation 
 exponentials of the rescale and the merge, so codes agree except at rare rounding ties.
 """
 
+import functools
 import math
 from typing import NamedTuple
 
 import torch
 
 from .expcast import CODES_PER_NAT, anchored_encode, code_anchor, expcast_decode
+from .forward_only import forward_only
 from .quant import (
     BLOCK,
     choose_repair_tokens,
     gather_tokens,
     num_blocks,
-    quantize_per_block,
-    quantize_per_head,
+    quantize_inputs,
     quantize_repair_rows,
     repair_count,
     residual_energy,
-    smooth_keys,
     softmax_scale_or_default,
     v_residual,
 )
@@ -185,24 +185,34 @@ def reference_attention(
     (numerator and denominator) as the Hopper kernel's FP8 wgmma does (``wgmma.py``: 14 significant bits, cut
     toward zero; P V summed over ``PV_PROMOTE_EVERY`` tiles before each FP32 add), "exact" in FP32.
     ``sm_count``: the SMs of the GPU the kernel runs on, whose last wave of query tiles it splits
-    (``split.py``); None: no split.
+    (``split.py``); None: no split. Forward-only: a backward through the output raises (``forward_only``).
     """
     check_attention_args(q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking)
     if accumulation not in ACCUMULATIONS:
         raise ValueError(f"accumulation must be one of {', '.join(map(repr, ACCUMULATIONS))}, got {accumulation!r}")
     if sm_count is not None and (isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1):
         raise ValueError(f"sm_count must be a positive int or None (no split), got {sm_count!r}")
-    like_wgmma = accumulation == "wgmma"
+    simulate = functools.partial(
+        _simulate,
+        softmax_scale=softmax_scale,
+        repair_ratio=repair_ratio,
+        window=window,
+        smooth_k=smooth_k,
+        repair_ranking=repair_ranking,
+        like_wgmma=accumulation == "wgmma",
+        sm_count=sm_count,
+    )
+    return forward_only(simulate, q, k, v)
+
+
+def _simulate(q, k, v, *, softmax_scale, repair_ratio, window, smooth_k, repair_ranking, like_wgmma, sm_count):
+    """``reference_attention`` on checked arguments."""
     batch, s_q, heads, dim = q.shape
     s_k = k.shape[1]
     tau = softmax_scale_or_default(softmax_scale, dim)
     n_q, n_k = num_blocks(s_q), num_blocks(s_k)
 
-    q8, d_q = quantize_per_block(q.transpose(1, 2))
-    k_heads = k.transpose(1, 2)
-    k8, d_k = quantize_per_block(smooth_keys(k_heads) if smooth_k else k_heads)
-    v_heads = v.transpose(1, 2)
-    v8, d_v = quantize_per_head(v_heads)
+    q8, d_q, k8, d_k, v8, d_v = quantize_inputs(q, k, v, smooth_k=smooth_k, softmax_scale=tau)
 
     pairs = batch * heads
     valid = (torch.arange(n_k * BLOCK, device=q.device) < s_k).view(n_k, BLOCK)
@@ -210,7 +220,7 @@ def reference_attention(
     repair = [None] * 3
     count = repair_count(s_k, repair_ratio)
     if count > 0:
-        residual = v_residual(v_heads, v8, d_v)
+        residual = v_residual(v.transpose(1, 2), v8, d_v)
         tokens = choose_repair_tokens(residual_energy(residual), count, q, k, ranking=repair_ranking, softmax_scale=tau)
         v_repair = quantize_repair_rows(gather_tokens(residual, tokens), d_v).float().reshape(pairs, count, dim)
         n_r = num_blocks(count)

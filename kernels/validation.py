@@ -1,4 +1,9 @@
-"""Argument checks shared by the reference and the kernels: errors name the bad value and what is accepted."""
+"""Argument checks shared by every attention path: errors name the bad value and what is accepted.
+
+``check_qkv`` is the one structural check of q, k, v (the policy runs it on every call, whichever backend takes
+it, so a bad call fails alike everywhere); ``check_attention_args`` adds the dtypes and options of the reference
+and the kernel.
+"""
 
 import math
 
@@ -7,27 +12,20 @@ import torch
 from .quant import REPAIR_RANKINGS
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""What the reference takes (the kernel: fp16 and bf16)."""
 MAX_REPAIR_RATIO = 0.5
 
 
-def check_attention_args(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    repair_ratio: float,
-    window: int | None,
-    repair_ranking: str = "energy",
-    dtypes: tuple[torch.dtype, ...] = INPUT_DTYPES,
-) -> None:
-    """Raise ``ValueError`` unless q, k, v are ``(B, S, H, D)`` tensors that attention can take."""
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless q, k, v are floating-point ``(B, S, H, D)`` tensors of one device and dtype,
+    with k and v of one shape and q agreeing with them in batch, heads and head_dim (S_q may differ)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 4:
             raise ValueError(f"{name} must be 4-D (batch, seq_len, heads, head_dim), got shape {tuple(x.shape)}")
-        if x.dtype not in dtypes:
-            raise ValueError(f"{name} has dtype {x.dtype}; accepted: {', '.join(map(str, dtypes))}")
+        if not x.dtype.is_floating_point or x.dtype.itemsize < 2:
+            raise ValueError(f"{name} has dtype {x.dtype}; attention takes float16, bfloat16, float32 or float64")
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}; all inputs must share a device")
         if x.dtype != q.dtype:
@@ -42,6 +40,22 @@ def check_attention_args(
             f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, heads and head_dim "
             "(layout (batch, seq_len, heads, head_dim))"
         )
+
+
+def check_attention_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    repair_ratio: float,
+    window: int | None,
+    repair_ranking: str = "energy",
+    dtypes: tuple[torch.dtype, ...] = INPUT_DTYPES,
+) -> None:
+    """``check_qkv``, then q's dtype among ``dtypes`` and the Open-VC options; ``ValueError`` otherwise."""
+    check_qkv(q, k, v)
+    if q.dtype not in dtypes:
+        raise ValueError(f"q, k, v have dtype {q.dtype}; accepted: {', '.join(map(str, dtypes))}")
     check_repair_ratio(repair_ratio)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise ValueError(f"window must be an int >= 0 or None (plain order), got {window!r}")

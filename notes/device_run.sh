@@ -1,41 +1,60 @@
 #!/bin/bash
 # Device side of a GPU check, run from the repo root. STAGES picks what runs, in the order given (unset or
-# "none": only install; a stash call on a machine that is still warm must not start a long run):
-#   prep   tests/test_sm90_prep.py, then notes/bench_sm90_prep.py (each launch, smoothing and repair steps)
-#   tests  ${TESTS} (default tests/test_sm90_gpu.py)
-#   bench  examples/bench_attention.py ${BENCH_ARGS}
-#   ncu    Nsight Compute on one forward-kernel launch at 32,760 x 12 (notes/kernel_once.py)
+# "none": only stash and install; a stash call on a machine that is still warm must not start a long run):
+#   flavor    notes/kernel_check.py with the DSL's CUDA 13 flavor, then with its CUDA 12 flavor alone
+#   prep      tests/test_sm90_prep.py, then notes/bench_sm90_prep.py (each launch, smoothing and repair steps)
+#   tests     ${TESTS} (default tests/test_sm90_gpu.py)
+#   generate  examples/generate.py on the tiny Wan pipeline (stock attention, then Open-VC on the kernel)
+#   bench     examples/bench_attention.py ${BENCH_ARGS}
+#   ncu       Nsight Compute on one forward-kernel launch at 32,760 x 12 (notes/kernel_once.py)
 #   pipeline  examples/bench_pipeline.py ${PIPELINE_ARGS}
 #   ulysses   torchrun examples/bench_ulysses.py on every GPU of the machine ${ULYSSES_ARGS}
-#   probe  notes/${PROBE} (default probe_variants.py), a same-process comparison of kernel variants
-#   inputs examples/capture.py (tiny Wan on the GPU, ${CAPTURE_ARGS}) then bench_attention.py --inputs on its file
-# libs-cu13 is over one call's carry limit, so a cold machine takes two calls: the first carries .whl/a (exit 3:
-# "stashed"), the second .whl/b; a warm machine with /tmp/site installed needs neither.
+#   probe     notes/${PROBE} (default probe_variants.py), a same-process comparison of kernel variants
+#   inputs    examples/capture.py (tiny Wan on the GPU, ${CAPTURE_ARGS}) then bench_attention.py --inputs on its file
+# Wheels: notes/clean_wheels.sh writes what a fresh `pip install .` resolves (less torch and its CUDA libraries,
+# the image's own) into .whl/c1 .. .whl/cN, one folder per call (carry [".whl/cK"]). Each call stashes what it
+# carries in /tmp/wheels; until every piece its MANIFEST names is there it exits 3 ("stashed"). Then the pieces
+# are joined and installed with --no-deps into /tmp/site, which holds nothing else, and the checkout itself is
+# installed from source into /tmp/project at every call (the tree travels anew each time).
 set -u
 export PYTHONUNBUFFERED=1
 STASH=/tmp/wheels
+SITE=/tmp/site
 mkdir -p $STASH
-for d in .whl/a .whl/b; do [ -d $d ] && cp -n $d/* $STASH/; done
-if [ ! -f /tmp/site/.installed ]; then
-  [ -f $STASH/cu13part_aa ] && [ -f $STASH/cu13part_ab ] || { echo "stashed: $(ls $STASH)"; exit 3; }
-  cat $STASH/cu13part_aa $STASH/cu13part_ab > $STASH/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $STASH/*.whl || exit 4
-  touch /tmp/site/.installed
+for d in .whl/c*; do [ -d "$d" ] && cp -n "$d"/* $STASH/; done
+if [ ! -f $SITE/.installed ]; then
+  missing=$(cd $STASH && while read -r piece; do [ -f "$piece" ] || echo "$piece"; done < MANIFEST | wc -l)
+  [ "$missing" = 0 ] || { echo "stashed: $(ls $STASH | wc -l) files, $missing pieces still to come"; exit 3; }
+  for first in $STASH/*.part00; do
+    [ -f "$first" ] && cat "${first%.part00}".part* > "${first%.part00}" && rm "${first%.part00}".part*
+  done
+  python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE $STASH/*.whl || exit 4
+  touch $SITE/.installed
 fi
-mkdir -p /tmp/pkg && ln -sfn "$PWD/kernels" /tmp/pkg/openvc_kernels && ln -sfn "$PWD/openvc_diffusers" /tmp/pkg/openvc_diffusers
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/pkg
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv
-# conftest imports diffusers, which the device image lacks; the sm90 tests need none of it.
-PYTEST="python3 -m pytest -q ${PYTEST_CONFTEST-"--noconftest"} -p no:cacheprovider --timeout=120 -rfEs"
+rm -rf /tmp/project
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/project . || exit 5
+export PYTHONPATH=/tmp/project:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv
+PYTEST="python3 -m pytest -q -p no:cacheprovider --timeout=120 -rfEs"
 for stage in ${STAGES:-none}; do
   echo "== stage $stage ($(date +%T))"
   case $stage in
     none) ;;
+    flavor)
+      OPENVC_KERNEL_CACHE=/tmp/cache-cu13 timeout -k 5 200 python3 notes/kernel_check.py 2>&1 | tee $OUT/flavor13.log
+      # The CUDA 12 flavor alone: the same site without the CUDA 13 flavor's files.
+      rm -rf /tmp/site12 && cp -al $SITE /tmp/site12 && rm -rf /tmp/site12/nvidia_cutlass_dsl/cu13 \
+        /tmp/site12/nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cu13.*
+      PYTHONPATH=/tmp/project:/tmp/site12:/tmp/site12/nvidia_cutlass_dsl/dsl_packages OPENVC_KERNEL_CACHE=/tmp/cache-cu12 \
+        timeout -k 5 200 python3 notes/kernel_check.py 2>&1 | tee $OUT/flavor12.log ;;
     prep)
       timeout -k 5 240 $PYTEST tests/test_sm90_prep.py 2>&1 | tee $OUT/prep.log | tail -n 15
       timeout -k 5 90 python3 notes/bench_sm90_prep.py 2>&1 | tee $OUT/prep_bench.log | tail -n 24 ;;
     tests)
       timeout -k 5 ${TESTS_TIMEOUT:-300} $PYTEST ${TESTS:-tests/test_sm90_gpu.py} 2>&1 | tee $OUT/pytest.log | tail -n 25 ;;
+    generate)
+      timeout -k 5 ${GENERATE_TIMEOUT:-200} python3 examples/generate.py --output /tmp/generate 2>&1 \
+        | tee $OUT/generate.log | tail -n 12 ;;
     ncu)
       timeout -k 5 ${NCU_TIMEOUT:-150} ncu --clock-control none -k regex:ExpCastAttentionSm90 --launch-skip 1 \
         --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \

@@ -63,10 +63,9 @@ def attention(
     """Attention on diffusers-layout ``(B, S, H, D)`` tensors through the backend the policy picks.
 
     ``config`` is anything ``load_config`` takes. ``is_cross`` defaults to "k is not as long as q";
-    ``layer`` and ``step`` let ``bf16_layers`` / ``bf16_steps`` apply.
+    ``layer`` and ``step`` let ``bf16_layers`` / ``bf16_steps`` apply. Bad q, k, v raise the same ``ValueError``
+    whichever backend the policy would pick; a call that autograd records takes a backend with a gradient.
     """
     config = load_config(config)
-    if is_cross is None:
-        is_cross = k.shape[1] != q.shape[1]
-    call = Call(q, is_cross=is_cross, has_mask=attn_mask is not None, layer=layer, step=step)
+    call = Call(q, k, v, is_cross=is_cross, has_mask=attn_mask is not None, layer=layer, step=step)
     return run(decide(config, call), config, q, k, v, attn_mask=attn_mask)

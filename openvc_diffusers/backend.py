@@ -28,7 +28,7 @@ from diffusers.models.attention_dispatch import (
 from packaging.version import Version
 
 from .attention import run, warn_once
-from .config import OpenVCConfig, load_config
+from .config import OpenVCConfig, format_indices, load_config
 from .parallel import heads_to_sequence, sequence_to_heads, ulysses_group
 from .policy import SDPA, Call, decide
 
@@ -151,10 +151,16 @@ def openvc_attention(
         )
     route = IN_FLIGHT.route
     if route is None:
-        if _registered.config.bf16_layers or _registered.config.bf16_steps:
+        config = _registered.config
+        if config.bf16_steps:
+            raise RuntimeError(
+                f"bf16_steps [{format_indices(config.bf16_steps)}] needs denoising-step tracking, which "
+                "openvc_diffusers.apply(pipe, config) installs; the \"openvc\" backend alone cannot tell the steps apart"
+            )
+        if config.bf16_layers:
             warn_once(
-                "Open-VC: bf16_layers and bf16_steps need layer and step numbers, which the backend alone does not "
-                "have: openvc_diffusers.apply(pipe, config) numbers them (and routes through this backend)"
+                "Open-VC: bf16_layers needs layer numbers, which the \"openvc\" backend alone does not have: "
+                "openvc_diffusers.apply(pipe, config) numbers them (and routes through this backend)"
             )
         return attend(_registered, query, key, value, attn_mask=attn_mask, parallel_config=_parallel_config)
     # An Open-VC processor's call: through its _attend, which subclasses extend (examples/ time and capture there).
@@ -193,7 +199,8 @@ def attend(
     trim = valid_len is not None
     q_seen = q[:, :valid_len] if trim and pad_queries else q
     layer = None if is_cross else route.layer
-    call = Call(q_seen, is_cross=is_cross, has_mask=attn_mask is not None and not trim, layer=layer, step=route.step)
+    has_mask = attn_mask is not None and not trim
+    call = Call(q_seen, k, v, is_cross=is_cross, has_mask=has_mask, layer=layer, step=route.step)
     decision = decide(route.config, call)
     route.count("cross" if is_cross else "self", decision.backend)
     if trim and decision.backend != SDPA:

@@ -209,15 +209,32 @@ def _backends(key: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+MAX_INDEX = 9_999
+"""The largest layer or step index a config may name: no video DiT has 10,000 layers or steps, and a range is
+expanded into a set (``'0-1000000000'`` would take all memory)."""
+
+
 def _indices(key: str, value: Any) -> frozenset[int]:
     items = value if isinstance(value, (list, tuple, set, frozenset)) else [value]
+    accepted = f"ints in [0, {MAX_INDEX}] or inclusive ranges 'a-b' with a <= b <= {MAX_INDEX}, e.g. [0, 1, '28-29']"
     out = set()
     for item in items:
-        if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
+        if isinstance(item, int) and not isinstance(item, bool) and 0 <= item <= MAX_INDEX:
             out.add(item)
             continue
         m = _RANGE.fullmatch(item) if isinstance(item, str) else None
-        if m is None or int(m[1]) > int(m[2]):
-            _fail(key, item, "non-negative ints or inclusive ranges 'a-b' with a <= b, e.g. [0, 1, '28-29']")
+        if m is None or not int(m[1]) <= int(m[2]) <= MAX_INDEX:
+            _fail(key, item, accepted)
         out.update(range(int(m[1]), int(m[2]) + 1))
     return frozenset(out)
+
+
+def format_indices(indices) -> str:
+    """Sorted indices with runs as ranges, as a config writes them: ``[0, 28, 29, 30]`` -> ``'0, 28-30'``."""
+    runs: list[list[int]] = []
+    for index in sorted(indices):
+        if runs and index == runs[-1][1] + 1:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

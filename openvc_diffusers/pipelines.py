@@ -8,6 +8,7 @@ import torch
 from diffusers import DiffusionPipeline
 from huggingface_hub.errors import HFValidationError
 
+from . import cli
 from .apply import apply, pipeline_transformers
 from .processors import OpenVCProcessorBase
 from .tiny import TINY_VIDEO, tiny_wan_pipeline
@@ -27,8 +28,20 @@ class ModelNotAvailableError(Exception):
     """The weights named by ``--model`` are neither in a local folder nor reachable; the message says what to do."""
 
 
+# Wan's VAE compresses 8x in space and 4x in time (after the first frame), and its transformer patches 2 x 2
+# latents: heights and widths are multiples of 16, frame counts 4k + 1. The tiny model is a Wan.
+PIXEL_STEP = 16
+FRAME_STEP = 4
+# The positions per axis of the tiny transformer's RoPE tables (tiny.py's rope_max_seq_len): one per patch
+# (16 px) in height and width, one per latent frame in time.
+TINY_ROPE_POSITIONS = 32
+TINY_MAX_PIXELS = TINY_ROPE_POSITIONS * PIXEL_STEP  # 512
+TINY_MAX_FRAMES = (TINY_ROPE_POSITIONS - 1) * FRAME_STEP + 1  # 125
+
+
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
-    """--model / --tiny, --device, and the prompt, seed and video size of the pipeline call."""
+    """--model / --tiny, --device, and the prompt, seed and video size of the pipeline call; the scripts check
+    the size against the model with ``check_pipeline_arguments``."""
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
         "--model",
@@ -40,20 +53,62 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--device",
+        type=cli.device,
         default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cuda or cpu (default: cuda if available); the tiny model runs in float32 on the CPU",
+        help="cpu, cuda or cuda:N (default: cuda if available); the tiny model runs in float32 on the CPU",
     )
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="text prompt")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise (default: 0)")
-    # The tiny model's RoPE tables cover 32 positions per axis: up to 125 frames and 512 x 512 pixels.
-    for name, key, rule in (
-        ("--frames", "num_frames", "4k + 1"),
-        ("--height", "height", "x16"),
-        ("--width", "width", "x16"),
+    parser.add_argument("--seed", type=cli.seed, default=0, help="seed of the initial noise (default: 0)")
+    for name, key, rule, tiny_most in (
+        ("--frames", "num_frames", "4k + 1", TINY_MAX_FRAMES),
+        ("--height", "height", "a multiple of 16", TINY_MAX_PIXELS),
+        ("--width", "width", "a multiple of 16", TINY_MAX_PIXELS),
     ):
         parser.add_argument(
-            name, type=int, help=f"{rule} (default: {TINY_VIDEO[key]} with --tiny, the pipeline's own with --model)"
+            name,
+            type=cli.positive_int,
+            help=f"with --tiny: {rule}, at most {tiny_most} (default: {TINY_VIDEO[key]}); with --model: what that "
+            "pipeline takes (default: its own)",
         )
+
+
+WAN_SIZE_RULES = {
+    # flag: (step, offset, rule, why)
+    "--frames": (FRAME_STEP, 1, "of the form 4k + 1", "Wan's VAE encodes the first frame alone, then 4 per latent"),
+    "--height": (PIXEL_STEP, 0, "a multiple of 16", "Wan's VAE downsamples 8x and its transformer patches 2x2"),
+    "--width": (PIXEL_STEP, 0, "a multiple of 16", "Wan's VAE downsamples 8x and its transformer patches 2x2"),
+}
+
+
+def _size_error(flag: str, value: int) -> str | None:
+    """Why ``value`` breaks Wan's rule for ``flag``, with the two nearest values that keep it; None if it keeps it."""
+    step, offset, rule, why = WAN_SIZE_RULES[flag]
+    if value % step == offset:
+        return None
+    below = (value - offset) // step * step + offset
+    nearest = f"{below} or {below + step}" if below > 0 else str(below + step)
+    return f"{value} is not {rule} ({why}); try {nearest}"
+
+
+def check_pipeline_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The tiny model's video size: Wan's rules and the reach of its RoPE tables. With ``--model`` the size is
+    left to that pipeline's own checks, whose rules differ by family (Mochi takes 6k + 1 frames, LTX multiples of
+    32 pixels)."""
+    if args.model is not None:
+        return
+    rope = f"its RoPE covers {TINY_ROPE_POSITIONS}"
+    for flag, value, most, reach in (
+        ("--frames", args.frames, TINY_MAX_FRAMES, f"{rope} latent frames"),
+        ("--height", args.height, TINY_MAX_PIXELS, f"{rope} patches of {PIXEL_STEP} px"),
+        ("--width", args.width, TINY_MAX_PIXELS, f"{rope} patches of {PIXEL_STEP} px"),
+    ):
+        if value is None:
+            continue
+        error = _size_error(flag, value)
+        if error is None and value > most:
+            error = f"{value} is more than the tiny model's {most} ({reach}); --model runs larger videos"
+        if error is not None:
+            parser.error(f"argument {flag}: {error}")
 
 
 def call_kwargs(args: argparse.Namespace) -> dict:

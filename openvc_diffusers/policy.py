@@ -5,7 +5,10 @@ from dataclasses import dataclass
 import torch
 
 import openvc_kernels
+from openvc_kernels.forward_only import needs_grad
+from openvc_kernels.ops import build_failure
 from openvc_kernels.support import HEAD_DIM
+from openvc_kernels.validation import INPUT_DTYPES, check_qkv
 
 from .backends import fa4_unavailable_reason
 from .config import OpenVCConfig
@@ -20,13 +23,27 @@ SDPA = "sdpa"
 
 @dataclass(frozen=True)
 class Call:
-    """What the policy needs to know of one attention call."""
+    """What the policy needs to know of one attention call on diffusers-layout ``(B, S, H, D)`` tensors. Built,
+    it has passed ``check_qkv``: a bad call fails alike whichever backend would take it."""
 
     query: torch.Tensor
-    is_cross: bool
+    key: torch.Tensor
+    value: torch.Tensor
+    is_cross: bool | None = None
+    """None: cross-attention if the keys are not as many as the queries."""
     has_mask: bool = False
     layer: int | None = None
     step: int | None = None
+
+    def __post_init__(self):
+        check_qkv(self.query, self.key, self.value)
+        if self.is_cross is None:
+            object.__setattr__(self, "is_cross", self.key.shape[1] != self.query.shape[1])
+
+    @property
+    def needs_grad(self) -> bool:
+        """Autograd records this call: Open-VC is forward-only, so it must take a backend with a gradient."""
+        return needs_grad(self.query, self.key, self.value)
 
 
 @dataclass(frozen=True)
@@ -41,6 +58,8 @@ def chain(config: OpenVCConfig, call: Call) -> tuple[tuple[str, ...], str | None
     if call.is_cross:
         fallbacks = tuple(b for b in config.backends if b not in ("openvc", config.cross_attention))
         return (config.cross_attention,) + fallbacks, None
+    if call.needs_grad:
+        return _without_openvc(config), "autograd needs gradients through this call; Open-VC is forward-only"
     if call.layer is not None and call.layer in config.bf16_layers:
         return _without_openvc(config), f"layer {call.layer} is in bf16_layers"
     if call.step is not None and call.step in config.bf16_steps:
@@ -57,21 +76,32 @@ def openvc_unavailable_reason(config: OpenVCConfig, call: Call) -> str | None:
     if q.shape[-1] != HEAD_DIM:
         # Checked on every device: off the GPU the reference stands in for the kernel and takes what it takes.
         return f"head_dim {q.shape[-1]}; Open-VC takes head_dim {HEAD_DIM}"
+    if q.dtype not in INPUT_DTYPES:
+        return f"dtype {q.dtype}; Open-VC takes {', '.join(str(d).removeprefix('torch.') for d in INPUT_DTYPES)}"
     if call.has_mask:
         return "an attention mask was given; Open-VC takes unmasked attention"
     if not call.is_cross and q.shape[1] < config.min_tokens:
         return f"{q.shape[1]} query tokens < min_tokens {config.min_tokens}"
     if q.device.type == "cpu":
         return None  # the reference runs anywhere
-    return kernel_unavailable_reason(q.device, q.dtype, q.shape[-1])
+    return kernel_unavailable_reason(
+        q.device, q.dtype, q.shape[-1], config.window is None, config.smooth_k, config.repair_ratio > 0
+    )
 
 
 @torch.compiler.assume_constant_result
-def kernel_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """``openvc_kernels.kernel_unavailable_reason`` for queries of this device, dtype and head dim. torch.compile
-    runs it while tracing and keeps the answer (the tensor's guards cover all three) instead of tracing it: its
-    package lookup (importlib's find_spec) is a graph break at every call with torch 2.11."""
-    return openvc_kernels.kernel_unavailable_reason(device, dtype, head_dim)
+def kernel_unavailable_reason(
+    device: torch.device, dtype: torch.dtype, head_dim: int, plain_order: bool, smooth_k: bool, repair: bool
+) -> str | None:
+    """Why the Hopper kernel cannot take queries of this device, dtype and head dim with these options
+    (``openvc_kernels.kernel_unavailable_reason``), or why its kernels cannot be built here (compiled on the first
+    call that asks: a failure then falls back, logged once, instead of failing the call). torch.compile runs this
+    while tracing and keeps the answer (the tensor's guards cover the first three) instead of tracing it: its
+    package lookup is a graph break at every call with torch 2.11."""
+    reason = openvc_kernels.kernel_unavailable_reason(device, dtype, head_dim)
+    if reason is not None:
+        return reason
+    return build_failure(dtype, plain_order=plain_order, smooth_k=smooth_k, repair=repair)
 
 
 def decide(config: OpenVCConfig, call: Call) -> Decision:

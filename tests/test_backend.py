@@ -181,6 +181,14 @@ def test_bf16_layers_without_layer_numbers_are_named_once(registered, stock_afte
     assert sum("openvc_diffusers.apply" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_bf16_steps_without_step_tracking_are_refused(registered, stock_afterwards):
+    model, inputs = build("wan")
+    registered({"min_tokens": 0, "bf16_steps": [0]})
+    model.set_attention_backend("openvc")
+    with pytest.raises(RuntimeError, match=r"bf16_steps \[0\] needs denoising-step tracking.*backend alone"):
+        forward(model, inputs)
+
+
 def test_bf16_layers_through_apply(stock_afterwards):
     model, inputs = build("wan")
     processor = openvc_diffusers.apply(model, {"min_tokens": 0, "bf16_layers": [1]})

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from test_examples import load_example
+from test_examples import argument_error, load_example, unavailable
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,6 +31,25 @@ def test_help(capsys):
         load_example("bench_pipeline").main(["--help"])
     assert exit.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--size", "1080p"], "argument --size: unknown size '1080p'; choose from 480p, 720p"),
+        (["--size", "480p,480p"], "argument --size: size 480p given more than once in '480p,480p'"),
+        (["--steps", "0"], "argument --steps: 0: expected an integer >= 1"),
+        (["--layers", "x"], "argument --layers: 'x' is not an integer"),
+        (["--decode-frames", "-1"], "argument --decode-frames: -1: expected an integer >= 0"),
+        (["--tiny", "--decode-frames", "3"], "argument --decode-frames: 3 is more than the 2 latent frames of"),
+        (["--tiny", "--json", "/dev/null/b.json"], "argument --json: '/dev/null/b.json' cannot be created: '/dev"),
+        (["--tiny", "--size", "480p"], "--tiny has its own size and layers"),
+    ],
+)
+def test_bad_arguments_stop_before_the_model_is_built(argv, expected, capsys):
+    bench = load_example("bench_pipeline")
+    bench.build_model = unavailable
+    assert argument_error(capsys, bench.main, argv).startswith(expected)
 
 
 def test_tiny_runs_every_backend_and_writes_json(tmp_path, capsys):

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from test_examples import EXAMPLES, load_example
+from test_examples import EXAMPLES, argument_error, load_example, unavailable
 
 DEGREE = 2
 RANK_KEYS = {"rank", "forward_ms", "forwards_ms", "self_call_ms", "attention_ms", "all_to_all_ms", "calls"}
@@ -22,6 +22,22 @@ def test_help(bench, capsys):
         bench.main(["--help"])
     assert exit.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--backends", "openvc,fa5"], "argument --backends: unknown backend 'fa5'; choose from openvc, fa4"),
+        (["--backends", "fa4,fa4"], "argument --backends: backend fa4 given more than once in 'fa4,fa4'"),
+        (["--heads", "0"], "argument --heads: 0: expected an integer >= 1"),
+        (["--iters", "many"], "argument --iters: 'many' is not an integer"),
+        (["--size", "1080p"], "argument --size: invalid choice: '1080p'"),
+        (["--tiny", "--json", "/dev/null/u.json"], "argument --json: '/dev/null/u.json' cannot be created: '/dev"),
+    ],
+)
+def test_bad_arguments_stop_before_any_process_group(bench, argv, expected, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "init_distributed", unavailable)
+    assert argument_error(capsys, bench.main, argv).startswith(expected)
 
 
 def test_tiny_on_two_processes_matches_one(tmp_path):

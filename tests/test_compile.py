@@ -98,7 +98,8 @@ def test_package_lookups_are_evaluated_not_traced(monkeypatch):
 
     @torch.compile(backend="eager", fullgraph=True)
     def checks(q):
-        return q + 1, policy.kernel_unavailable_reason(q.device, q.dtype, q.shape[-1]), backends.fa4_installed()
+        kernel = policy.kernel_unavailable_reason(q.device, q.dtype, q.shape[-1], False, True, True)
+        return q + 1, kernel, backends.fa4_installed()
 
     assert checks(torch.zeros(2, 128))[1:] == ("no kernel here", True)
 

@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from openvc_kernels import compile_cache
+from openvc_kernels import compile_cache, support
 from openvc_kernels.sm90 import prep
 
 NAME = "prep_absmax_per_head_bfloat16"
@@ -68,3 +68,37 @@ def test_the_key_changes_with_the_dsl_version(cache, monkeypatch):
         assert compile_cache.kernel_path(NAME) != before
     finally:
         compile_cache._build_digest.cache_clear()
+
+
+def test_a_missing_package_is_named_with_its_fix(cache, monkeypatch):
+    # A fresh machine without apache-tvm-ffi: before, the DSL's compile failed with its own traceback.
+    real_import = support.importlib.import_module
+
+    def import_module(name):
+        if name == "tvm_ffi":
+            raise ModuleNotFoundError("No module named 'tvm_ffi'")
+        return real_import(name)
+
+    monkeypatch.setattr(support.importlib, "import_module", import_module)
+    support.missing_package_reason.cache_clear()
+    try:
+        with pytest.raises(support.KernelUnavailableError) as raised:
+            compile_cache.load_or_compile(NAME, _must_not_compile)
+    finally:
+        support.missing_package_reason.cache_clear()
+    assert str(raised.value) == (
+        "the FP8 kernel cannot be built: apache-tvm-ffi does not import (No module named 'tvm_ffi'); fix: "
+        f"`pip install 'apache-tvm-ffi'` or {support.REINSTALL}"
+    )
+
+
+def test_a_failed_compile_names_its_first_line_and_the_fix(cache):
+    def fails():
+        raise RuntimeError("\x1b[91merror[PTXAS]:\x1b[0m unsupported .target sm_90a\n  long compiler log ...")
+
+    with pytest.raises(support.KernelUnavailableError) as raised:
+        compile_cache.load_or_compile(NAME, fails)
+    message = str(raised.value)
+    assert message.startswith(f"the FP8 kernel {NAME} failed to compile: RuntimeError: error[PTXAS]: unsupported")
+    assert "long compiler log" not in message and support.REINSTALL in message
+    assert isinstance(raised.value.__cause__, RuntimeError)  # the whole error stays chained

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from openvc_diffusers.config import ConfigError, OpenVCConfig, load_config
+from openvc_diffusers.config import ConfigError, OpenVCConfig, format_indices, load_config
 
 DEFAULT_YAML = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 
@@ -156,6 +156,9 @@ def test_parallel_not_a_mapping():
         ({"bf16_steps": "x-y"}, "bf16_steps", "'x-y'"),
         ({"bf16_steps": [-1]}, "bf16_steps", "-1"),
         ({"bf16_steps": None}, "bf16_steps", "None"),
+        # A range is expanded into a set: unbounded, "0-1000000000" took all memory and the process was killed.
+        ({"bf16_layers": "0-1000000000"}, "bf16_layers", "'0-1000000000'"),
+        ({"bf16_steps": [10_000]}, "bf16_steps", "10000"),
     ],
 )
 def test_bad_values_name_key_and_value(data, key, bad):
@@ -246,3 +249,17 @@ def test_kernel_options_are_the_configs_values_as_kernel_and_reference_keywords(
     for fn in (openvc_kernels.attention, openvc_kernels.reference_attention):
         parameters = inspect.signature(fn).parameters
         assert all(parameters[name].kind is inspect.Parameter.KEYWORD_ONLY for name in config.kernel_options)
+
+
+def test_index_bounds_are_named():
+    assert "ints in [0, 9999] or inclusive ranges 'a-b' with a <= b <= 9999" in _error({"bf16_layers": "5-10000"})
+    assert load_config({"bf16_steps": "9998-9999"}).bf16_steps == frozenset({9998, 9999})
+
+
+@pytest.mark.parametrize(
+    ("indices", "text"), [([0], "0"), ([3, 1, 2, 7], "1-3, 7"), ([0, 28, 29, 30, 40], "0, 28-30, 40")]
+)
+def test_format_indices_writes_runs_as_ranges(indices, text):
+    assert format_indices(indices) == text
+    items = [int(item) if item.isdigit() else item for item in text.split(", ")]
+    assert load_config({"bf16_layers": items}).bf16_layers == frozenset(indices)

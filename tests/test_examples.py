@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 
 from openvc_diffusers import load_config
 from openvc_kernels import reference_attention
-from openvc_diffusers.pipelines import call_kwargs, install, load_pipeline, steps_kwargs
+from openvc_diffusers.pipelines import TINY_ROPE_POSITIONS, call_kwargs, install, load_pipeline, steps_kwargs
+from openvc_diffusers.tiny import tiny_wan_transformer
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -45,6 +46,182 @@ def test_help(name, capsys):
         load_example(name).main(["--help"])
     assert exit.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+def argument_error(capsys, run, argv) -> str:
+    """The message ``run(argv)`` exits with: argparse's usage, then one ``prog: error: ...`` line, status 2."""
+    with pytest.raises(SystemExit) as exit:
+        run(argv)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    usage, message = err.rstrip("\n").rsplit("\n", 1)
+    assert "usage: " in usage  # after any progress bar
+    assert ": error: " in message
+    return message.split(": error: ", 1)[1]
+
+
+def unavailable(*_, **__):
+    pytest.fail("the script went on to load a model or run with bad arguments")
+
+
+def without_pipeline(name: str):
+    """The script ``name``, its pipeline loading made to fail the test: argument errors must come first."""
+    script = load_example(name)
+    script.load_pipeline = unavailable
+    return script
+
+
+@pytest.fixture
+def one_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+PIPELINE_SCRIPTS = ["generate", "calibrate", "capture"]
+# (arguments, what the one-line error says), for every script that runs a pipeline.
+BAD_PIPELINE_ARGUMENTS = [
+    (["--height", "100"], "argument --height: 100 is not a multiple of 16 (Wan's VAE downsamples 8x"),
+    (["--height", "100"], "try 96 or 112"),
+    (["--width", "8"], "argument --width: 8 is not a multiple of 16"),
+    (["--width", "0"], "argument --width: 0: expected an integer >= 1"),
+    (["--height", "tall"], "argument --height: 'tall' is not an integer"),
+    (["--frames", "80"], "argument --frames: 80 is not of the form 4k + 1"),
+    (["--frames", "80"], "try 77 or 81"),
+    (["--frames", "129"], "argument --frames: 129 is more than the tiny model's 125 (its RoPE covers 32 latent"),
+    (["--height", "528"], "argument --height: 528 is more than the tiny model's 512 (its RoPE covers 32 patches"),
+    (["--width", "1024", "--tiny"], "argument --width: 1024 is more than the tiny model's 512"),
+    (["--device", "gpu"], "argument --device: 'gpu' is not a device; choose from cpu"),
+    (["--device", "meta"], "argument --device: 'meta': the scripts run on cpu or cuda; choose from cpu"),
+    (["--config", "missing.yaml"], "argument --config: config file not found: 'missing.yaml'"),
+    (["--seed", "x"], "argument --seed: 'x' is not an integer"),
+    (["--seed", str(2**64)], f"argument --seed: {2**64}: expected a seed from -2**63 to 2**64 - 1"),
+]
+
+
+@pytest.mark.parametrize("name", PIPELINE_SCRIPTS)
+@pytest.mark.parametrize("argv, expected", BAD_PIPELINE_ARGUMENTS)
+def test_pipeline_scripts_refuse_bad_arguments_before_loading(name, argv, expected, capsys, no_gpu):
+    assert expected in argument_error(capsys, without_pipeline(name).main, argv)
+
+
+@pytest.mark.parametrize("name", PIPELINE_SCRIPTS)
+def test_device_must_exist(name, capsys, monkeypatch):
+    main = without_pipeline(name).main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert argument_error(capsys, main, ["--device", "cuda"]) == (
+        "argument --device: 'cuda': torch sees no CUDA GPU on this machine; choose from cpu"
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert argument_error(capsys, main, ["--device", "cuda:3"]) == (
+        "argument --device: 'cuda:3': this machine has 1 CUDA GPU; choose from cpu, cuda, cuda:0"
+    )
+
+
+@pytest.mark.parametrize("name", PIPELINE_SCRIPTS)
+def test_config_errors_name_the_key(name, tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("min_token: 0\n")
+    message = argument_error(capsys, without_pipeline(name).main, ["--config", str(bad)])
+    assert message.startswith("argument --config: unknown key 'min_token'. Did you mean 'min_tokens'?")
+    bad.write_text("backends: [openvc\n")  # YAML's own message spans lines
+    assert "is not valid YAML" in argument_error(capsys, without_pipeline(name).main, ["--config", str(bad)])
+
+
+@pytest.mark.parametrize("name", ["generate", "calibrate"])
+def test_output_directory_must_be_writable(name, tmp_path, capsys, monkeypatch):
+    main = without_pipeline(name).main
+    file = tmp_path / "file"
+    file.write_text("")
+    assert argument_error(capsys, main, ["--output", str(file)]) == (
+        f"argument --output: {str(file)!r} is a file, not a directory"
+    )
+    assert argument_error(capsys, main, ["--output", str(file / "videos")]) == (
+        f"argument --output: {str(file / 'videos')!r} cannot be created: {str(file)!r} is not a directory"
+    )
+    # Permissions as a user other than root sees them (root may write anywhere).
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    assert argument_error(capsys, main, ["--output", str(tmp_path)]) == (
+        f"argument --output: {str(tmp_path)!r}: directory not writable"
+    )
+    assert argument_error(capsys, main, ["--output", str(tmp_path / "new")]) == (
+        f"argument --output: {str(tmp_path / 'new')!r} cannot be created: {str(tmp_path)!r} is not writable"
+    )
+
+
+def test_generate_refuses_bad_steps_and_fps(capsys):
+    main = without_pipeline("generate").main
+    assert argument_error(capsys, main, ["--steps", "0"]) == "argument --steps: 0: expected an integer >= 1"
+    assert argument_error(capsys, main, ["--fps", "0"]) == "argument --fps: 0: expected an integer >= 1"
+    assert argument_error(capsys, main, ["--fps", "12.5"]) == "argument --fps: '12.5' is not an integer"
+
+
+@pytest.mark.parametrize("threshold", ["-0.1", "nan", "inf", "high"])
+def test_calibrate_refuses_a_threshold_out_of_range(threshold, capsys):
+    message = argument_error(capsys, without_pipeline("calibrate").main, ["--threshold", threshold])
+    if threshold == "high":
+        assert message == "argument --threshold: 'high' is not a number"
+    else:
+        assert message == f"argument --threshold: {threshold}: expected a finite number >= 0"
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--layers", "0-1000000000"], "argument --layers: '0-1000000000': expected indices 0-999 and ranges a-b"),
+        (["--layers", "2-1"], "argument --layers: '2-1': expected indices 0-999 and ranges a-b with a <= b"),
+        (["--steps", "0,x"], "argument --steps: '0,x': expected indices 0-999"),
+        (["--steps", "3,4,5"], "argument --steps: 4, 5 past the end of the 4-step denoising schedule (steps 0-3)"),
+        (["--num-inference-steps", "8", "--steps", "8"], "8 past the end of the 8-step denoising schedule"),
+        (["--num-inference-steps", "0"], "argument --num-inference-steps: 0: expected an integer >= 1"),
+    ],
+)
+def test_capture_refuses_bad_indices(argv, expected, capsys):
+    assert expected in argument_error(capsys, without_pipeline("capture").main, argv)
+
+
+def test_capture_output_must_be_a_writable_file(tmp_path, capsys):
+    main = without_pipeline("capture").main
+    assert argument_error(capsys, main, ["--output", str(tmp_path)]) == (
+        f"argument --output: {str(tmp_path)!r} is a directory; expected a file path"
+    )
+    file = tmp_path / "file"
+    file.write_text("")
+    assert argument_error(capsys, main, ["--output", str(file / "qkv.safetensors")]) == (
+        f"argument --output: {str(file / 'qkv.safetensors')!r} cannot be created: {str(file)!r} is not a directory"
+    )
+
+
+def test_valid_arguments_pass_the_checks(tmp_path, one_gpu):
+    # The tiny model's largest video, a folder the script will create, the one GPU there is.
+    largest = ["--frames", "125", "--height", "512", "--width", "512", "--device", "cuda:0"]
+    args = load_example("generate").parse_args([*largest, "--output", str(tmp_path / "new" / "dir")])
+    assert (args.frames, args.height, args.width, args.device) == (125, 512, 512, "cuda:0")
+    # A real Wan's RoPE covers 1024 positions per axis: the tiny model's limits do not apply to --model.
+    args = load_example("calibrate").parse_args(["--model", "some/model", "--frames", "129", "--height", "1024"])
+    assert (args.frames, args.height) == (129, 1024)
+    # Wan's size rules are the tiny model's: other families have their own (Mochi: 6k + 1 frames).
+    args = load_example("generate").parse_args(["--model", "genmo/mochi-1-preview", "--frames", "19"])
+    assert args.frames == 19
+    args = load_example("capture").parse_args(["--model", "some/model", "--steps", "40", "--layers", "0-999"])
+    assert args.steps == [40] and args.layers == list(range(1000))
+
+
+def test_tiny_size_limits_are_what_its_rope_takes():
+    model = tiny_wan_transformer()
+    assert model.config.rope_max_seq_len == TINY_ROPE_POSITIONS
+    # RoPE positions: latent frames, and patches (of 2 latents) per axis.
+    model.rope(torch.zeros(1, 4, TINY_ROPE_POSITIONS, 2 * TINY_ROPE_POSITIONS, 2 * TINY_ROPE_POSITIONS))
+    for latent in [(TINY_ROPE_POSITIONS + 1, 2, 2), (1, 2 * TINY_ROPE_POSITIONS + 2, 2)]:
+        with pytest.raises(RuntimeError):
+            model.rope(torch.zeros(1, 4, *latent))
 
 
 def test_generate_writes_videos_and_compares_them(tmp_path):
@@ -112,6 +289,59 @@ def test_compare_folders(tmp_path, monkeypatch, capsys):
     assert "LPIPS skipped" in printed
     assert sorted(p.name for p in out.iterdir()) == ["compare.csv", "compare_psnr.png"]
     assert len((out / "compare.csv").read_text().splitlines()) == 1 + 2 * 6
+
+
+@pytest.fixture
+def compare_without_lpips():
+    """compare.py, with loading LPIPS (its model: the first thing it loads) made to fail the test."""
+    script = load_example("compare")
+    script.load_lpips = unavailable
+    return script
+
+
+def test_compare_refuses_what_is_not_a_pair_of_videos(tmp_path, capsys, compare_without_lpips):
+    main = compare_without_lpips.main
+    video = np.zeros((3, 32, 48, 3))
+    write_lossless(tmp_path / "video.avi", video)
+    write_lossless(tmp_path / "narrow.avi", video[:, :, :32])
+    iio.imwrite(tmp_path / "image.png", np.zeros((32, 48, 3), dtype=np.uint8))
+    (tmp_path / "notes.mp4").write_text("not a video")
+    (tmp_path / "folder").mkdir()
+
+    def error(reference, candidate):
+        return argument_error(capsys, main, [str(tmp_path / reference), str(tmp_path / candidate)])
+
+    assert error("missing.mp4", "video.avi") == f"{str(tmp_path / 'missing.mp4')!r}: no such file or folder"
+    assert error("video.avi", "notes.mp4").startswith(
+        f"{str(tmp_path / 'notes.mp4')!r} is not a video imageio can read (Could not load meta information"
+    )
+    assert error("image.png", "video.avi") == (
+        f"{str(tmp_path / 'image.png')!r} holds a single image (48x32), not a video"
+    )
+    assert error("video.avi", "narrow.avi") == (
+        f"{str(tmp_path / 'video.avi')!r} has frames of 48x32 but {str(tmp_path / 'narrow.avi')!r} of 32x32; "
+        "the videos of a pair need the same number and size of frames"
+    )
+    assert error("video.avi", "folder").startswith("expected two video files or two folders")
+    pair = [str(tmp_path / "video.avi")] * 2
+    message = argument_error(capsys, main, [*pair, "--device", "gpu"])
+    assert message == "argument --device: 'gpu' is not a device; choose from cpu"
+    message = argument_error(capsys, main, [*pair, "--output", str(tmp_path / "video.avi")])
+    assert message == f"argument --output: {str(tmp_path / 'video.avi')!r} is a file, not a directory"
+
+
+def test_compare_refuses_videos_of_different_lengths_before_writing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "lpips", None)
+    video = np.zeros((3, 32, 48, 3))
+    write_lossless(tmp_path / "three.avi", video)
+    write_lossless(tmp_path / "two.avi", video[:2])
+    argv = [str(tmp_path / "three.avi"), str(tmp_path / "two.avi"), "--output", str(tmp_path / "out")]
+    # An mp4 or avi header does not say how many frames follow: this shows once the videos are read.
+    assert argument_error(capsys, load_example("compare").main, argv) == (
+        f"{str(tmp_path / 'three.avi')!r} has 3 frames of 48x32 but {str(tmp_path / 'two.avi')!r} has 2 frames of "
+        "48x32; the videos of a pair need the same number and size of frames"
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_compare_lpips_takes_frames_in_minus_one_to_one():
@@ -217,6 +447,40 @@ def test_bench_attention_rejects_files_it_cannot_read(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--inputs", str(tmp_path / "missing.safetensors")])
     assert "missing.safetensors: no such file (examples/capture.py writes one)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--shapes", "32760x"], "argument --shapes: '32760x' is not SxH: tokens x heads, both >= 1, such as 32760x12"),
+        (["--shapes", "32760x12,0x4"], "argument --shapes: '0x4' in '32760x12,0x4' is not SxH"),
+        (["--shapes", "12"], "argument --shapes: '12' is not SxH"),
+        (["--json", "/dev/null/rows.json"], "argument --json: '/dev/null/rows.json' cannot be created: '/dev/null' is"),
+    ],
+)
+def test_bench_attention_refuses_bad_arguments_before_running(argv, expected, capsys, monkeypatch):
+    bench = load_example("bench_attention")
+    monkeypatch.setattr(torch.cuda, "is_available", unavailable)  # the first thing main does after parsing
+    assert argument_error(capsys, bench.main, argv).startswith(expected)
+
+
+def test_bench_attention_takes_only_capture_files(tmp_path, capsys):
+    main = load_example("bench_attention").main
+    (tmp_path / "notes.safetensors").write_text("not tensors")
+    message = argument_error(capsys, main, ["--inputs", str(tmp_path / "notes.safetensors")])
+    assert message.startswith(f"--inputs {tmp_path / 'notes.safetensors'} is not a safetensors file (")
+    save_file({"x": torch.zeros(1)}, tmp_path / "other.safetensors")
+    message = argument_error(capsys, main, ["--inputs", str(tmp_path / "other.safetensors")])
+    assert message.endswith("is not an examples/capture.py file: format None, expected 'openvc-qkv/1'")
+    message = argument_error(capsys, main, ["--inputs", str(tmp_path / "other.safetensors"), "--shapes", "128x1"])
+    assert message == "--inputs and --shapes do not combine: the captured tensors have their own shapes"
+
+
+def test_bench_attention_shapes():
+    bench = load_example("bench_attention")
+    assert bench.parse_args([]).shapes == [(73397, 7), (32760, 12), (75600, 40), (118800, 24)]
+    assert bench.parse_args(["--repair"]).shapes == [(73397, 7), (75600, 40)]
+    assert bench.parse_args(["--repair", "--shapes", "128x2"]).shapes == [(128, 2)]
 
 
 def test_bench_attention_rows_with_stand_in_backends(monkeypatch):

@@ -20,6 +20,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.attention_processor import AttnProcessor2_0
 
 import openvc_diffusers
+from openvc_diffusers import policy
 from openvc_diffusers.apply import FAMILIES
 from openvc_diffusers.processors.hunyuan import valid_prefix_length
 
@@ -191,6 +192,7 @@ def test_trimming_to_the_valid_prefix_is_exact(name, monkeypatch):
     # Exact attention in place of the reference, in float64: the trimmed, unmasked call attends over what the
     # stock masked call does, so the outputs agree to float64 rounding.
     monkeypatch.setattr(attention_module, "run_reference", lambda q, k, v, *_: dispatch_attention_fn(q, k, v))
+    monkeypatch.setattr(policy, "INPUT_DTYPES", (*policy.INPUT_DTYPES, torch.float64))  # the stand-in takes it
     model, inputs = build(name, dtype=torch.float64)
     stock = forward(model, inputs)
     processor = openvc_diffusers.apply(model, {"min_tokens": 0})

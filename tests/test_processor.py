@@ -1,5 +1,6 @@
 """Processor routing on tiny random Wan models: which calls take which backend, and sdpa == diffusers."""
 
+import importlib
 import logging
 
 import pytest
@@ -12,6 +13,8 @@ from openvc_diffusers import OpenVCProcessor
 from openvc_diffusers.tiny import TINY_VIDEO, tiny_wan_inputs, tiny_wan_pipeline, tiny_wan_transformer
 
 SELF, CROSS = "self", "cross"
+# The module, not the attention() function that the package exports under the same name.
+attention_module = importlib.import_module("openvc_diffusers.attention")
 
 
 @pytest.mark.parametrize("image_dim", [None, 48], ids=["t2v", "i2v"])
@@ -109,3 +112,32 @@ def test_torch_compile_of_the_transformer_gives_the_eager_output():
         # aot_eager traces everything torch.compile traces, without a C++ toolchain for inductor.
         compiled = torch.compile(model, backend="aot_eager")(**inputs)[0]
     assert torch.equal(compiled, eager)
+
+
+def test_bf16_steps_without_step_tracking_raise_at_the_first_call():
+    model, inputs = tiny_wan_transformer(), tiny_wan_inputs()
+    model.set_attn_processor(OpenVCProcessor({"min_tokens": 0, "bf16_steps": [0, 1]}))
+    with pytest.raises(RuntimeError, match=r"bf16_steps \[0-1\] needs denoising-step tracking.*apply"):
+        with torch.no_grad():
+            model(**inputs)
+
+
+@pytest.mark.parametrize("route", ["set_attn_processor", "apply, compiled"])
+def test_bf16_layers_past_the_model_are_reported_once(route, caplog, fresh_dynamo, monkeypatch):
+    monkeypatch.setattr(attention_module, "_said", set())  # each route says it once
+    model, inputs = tiny_wan_transformer(), tiny_wan_inputs()  # 2 self-attention layers
+    config = {"min_tokens": 0, "bf16_layers": [1, 5, "7-9"]}
+    if route == "set_attn_processor":
+        processor = OpenVCProcessor(config)
+        model.set_attn_processor(processor)
+    else:
+        processor = openvc_diffusers.apply(model, config)
+        model = torch.compile(model, backend="aot_eager")
+    with caplog.at_level(logging.WARNING, logger="openvc_diffusers"), torch.no_grad():
+        for _ in range(3):
+            model(**inputs)
+    messages = [r.getMessage() for r in caplog.records if "past this model" in r.getMessage()]
+    assert messages == [
+        "Open-VC: bf16_layers 5, 7-9 are past this model's 2 self-attention layers (0-1); those entries match no call"
+    ]
+    assert processor.calls[SELF, "sdpa"] == 3  # layer 1, in each of the three forwards

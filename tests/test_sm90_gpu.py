@@ -248,3 +248,95 @@ def test_repair_on_rows_whose_scores_are_all_negative():
     out = attention(q, k, v, repair_ratio=0.01)
     assert out.isfinite().all()
     _assert_matches(out, q, k, v, repair_ratio=0.01)
+
+
+GRID_LENGTHS = (1, 127, 128, 129, 256, 1000)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("s_q", GRID_LENGTHS)
+def test_grid_of_batches_lengths_heads_and_options(batch, s_q):
+    # tests/test_inputs.py's grid on the kernel: every key length for this query length, heads, dtypes and
+    # options cycling; the batch rows never mix (the second alone gives its rows bit for bit).
+    options_cycle = ({}, {"smooth_k": True}, {"repair_ratio": 0.05}, {"repair_ratio": 0.05, "smooth_k": True})
+    for index, s_k in enumerate(GRID_LENGTHS):
+        heads, dtype = (1, 3)[index % 2], (torch.float16, torch.bfloat16)[index // 2 % 2]
+        options = options_cycle[(index + s_q) % 4]
+        q, k, v = _inputs(batch, s_q, s_k, heads, dtype)
+        out = attention(q, k, v, **options)
+        _assert_matches(out, q, k, v, **options)
+        if batch == 2:
+            assert torch.equal(out[1:], attention(q[1:], k[1:], v[1:], **options))
+
+
+@pytest.mark.parametrize("tensor", ["q", "k", "v"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_a_non_finite_value_makes_its_head_nan_and_leaves_the_others(tensor, value):
+    inputs = dict(zip("qkv", _inputs(2, 1000, 1000, 3)))
+    options = {"repair_ratio": 0.01, "smooth_k": True}
+    clean = attention(**inputs, **options)
+    batch, head = 1, 2
+    inputs[tensor][batch, int(torch.randint(1000, ())), head, int(torch.randint(128, ()))] = value
+    # NaN in the output where the absmax, hence a descale, is not finite: the preparation's maxima keep NaN.
+    hit = torch.zeros(2, 3, dtype=torch.bool, device="cuda")
+    hit[batch, head] = True
+    assert torch.equal(prepare(**inputs, **options).d_v.isnan(), hit)
+    out = attention(**inputs, **options)
+    assert out[batch, :, head].isnan().all()
+    assert torch.equal(out.transpose(1, 2)[~hit], clean.transpose(1, 2)[~hit])
+
+
+@pytest.mark.parametrize("factor", [5e7, 1e30])
+def test_huge_finite_logits_give_a_weighted_average_of_values(factor):
+    q, k, v = _inputs(1, 2000, 2000, 2)
+    q = (q.float() * factor).clamp(-3e38, 3e38).bfloat16()
+    out = attention(q, k, v).float()
+    assert torch.isfinite(out).all()
+    low, high = v.float().amin(dim=1, keepdim=True), v.float().amax(dim=1, keepdim=True)
+    slack = 0.07 * v.float().abs().amax(dim=1, keepdim=True)
+    assert ((out >= low - slack) & (out <= high + slack)).all()
+    assert torch.equal(prepare(q, k, v).d_q, prepare_reference(q, k, v).d_q)  # the same code span limit
+
+
+def test_a_gradient_through_the_kernel_raises():
+    q, k, v = (x.requires_grad_() for x in _inputs(1, 1024, 1024, 2))
+    out = attention(q, k, v)
+    with pytest.raises(RuntimeError, match="forward-only"):
+        out.float().sum().backward()
+
+
+def test_a_kernel_that_fails_to_build_falls_back_with_the_reason(monkeypatch, caplog):
+    import logging
+
+    import openvc_diffusers
+    from openvc_diffusers import attention as attention_module
+    from openvc_kernels import ops
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("ptxas fatal: unsupported toolkit")
+
+    # The forward kernel neither in memory nor on disk, and its compile failing; the preparation as it is.
+    monkeypatch.setattr(attention_module, "_said", set())
+    loaded = {name: kernel for name, kernel in compile_cache._loaded.items() if not name.startswith("attention")}
+    monkeypatch.setattr(compile_cache, "_loaded", loaded)
+    cached_path = compile_cache.kernel_path
+
+    def kernel_path(name):
+        return compile_cache.Path("/nonexistent-openvc") / name if name.startswith("attention") else cached_path(name)
+
+    monkeypatch.setattr(compile_cache, "kernel_path", kernel_path)
+    monkeypatch.setattr(ops, "compile_attention", broken)
+    ops.build_failure.cache_clear()
+    q, k, v = _inputs(1, 2048, 2048, 2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="openvc_diffusers"):
+            out = openvc_diffusers.attention(q, k, v, {"backends": ["openvc", "sdpa"]})
+            openvc_diffusers.attention(q, k, v, {"backends": ["openvc", "sdpa"]})
+        with pytest.raises(ops.KernelUnavailableError, match="failed to compile: RuntimeError: ptxas fatal"):
+            attention(q, k, v)
+    finally:
+        ops.build_failure.cache_clear()
+    expected = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)))
+    torch.testing.assert_close(out, expected.transpose(1, 2))
+    reasons = [r.getMessage() for r in caplog.records if "failed to compile" in r.getMessage()]
+    assert len(reasons) == 1 and reasons[0].startswith("Open-VC fallback to sdpa: openvc: the FP8 kernel attention_")

@@ -25,12 +25,11 @@ from ..quant import (
     BLOCK,
     choose_repair_tokens,
     gather_tokens,
-    quantize_per_block,
-    quantize_per_head,
+    quantize_inputs,
     quantize_repair_rows,
     repair_count,
     residual_energy,
-    smooth_keys,
+    softmax_scale_or_default,
     v_residual,
 )
 
@@ -141,16 +140,13 @@ def prepare_reference(
 ) -> Prepared:
     """The preparation in PyTorch, from ``(B, S, H, 128)`` q, k, v: the bytes the fused kernels must write.
     Options as in ``reference_attention``; the repair keys come from the residual energies summed by PyTorch."""
-    q8, d_q = quantize_per_block(q.transpose(1, 2))
-    k_heads = k.transpose(1, 2)
-    k8, d_k = quantize_per_block(smooth_keys(k_heads) if smooth_k else k_heads)
-    v_heads = v.transpose(1, 2)
-    v8, d_v = quantize_per_head(v_heads)
+    tau = softmax_scale_or_default(softmax_scale, q.shape[-1])
+    q8, d_q, k8, d_k, v8, d_v = quantize_inputs(q, k, v, smooth_k=smooth_k, softmax_scale=tau)
     count = repair_count(k.shape[1], repair_ratio)
     room = padded_len(count)
-    k8 = torch.nn.functional.pad(k8.contiguous().view(torch.uint8), (0, 0, 0, room))
+    k8 = torch.nn.functional.pad(k8.view(torch.uint8), (0, 0, 0, room))
     prepared = Prepared(
-        q8.contiguous().view(torch.uint8),
+        q8.view(torch.uint8),
         d_q.contiguous(),
         k8,
         d_k.contiguous(),
@@ -160,7 +156,7 @@ def prepare_reference(
         k.shape[1],
     )
     if count:
-        energy = residual_energy(v_residual(v_heads, v8, d_v))
+        energy = residual_energy(v_residual(v.transpose(1, 2), v8, d_v))
         tokens = choose_repair_tokens(energy, count, q, k, ranking=repair_ranking, softmax_scale=softmax_scale)
         write_repair_rows(prepared, v, tokens)
     return prepared

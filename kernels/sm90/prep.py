@@ -33,7 +33,17 @@ import torch
 from cutlass import Float32, Int32, Uint8
 
 from ..compile_cache import load_or_compile
-from ..quant import ABSMAX_FLOOR, BLOCK, FP8_MAX, channel_mean, choose_repair_tokens, num_blocks, repair_count
+from ..quant import (
+    ABSMAX_FLOOR,
+    BLOCK,
+    FP8_MAX,
+    apply_descale_guards,
+    channel_mean,
+    choose_repair_tokens,
+    num_blocks,
+    repair_count,
+    softmax_scale_or_default,
+)
 from .softmax import mul_rn
 from .layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS, PV_N, Prepared, write_repair_rows
 
@@ -113,9 +123,10 @@ def _load_block(mX: cute.Tensor, b: Int32, h: Int32, n: Int32, tidx: Int32) -> c
 
 @cute.jit
 def _block_absmax(x: cute.TensorSSA, reduction_buffer: cute.Tensor) -> Float32:
-    """max |x| over the CTA, returned to every thread. ``reduction_buffer``: smem (WARPS,) fp32."""
+    """max |x| over the CTA, returned to every thread; NaN if any element is NaN, as torch's amax (every max
+    here propagates NaN: ``quant.poison_non_finite`` reads it). ``reduction_buffer``: smem (WARPS,) fp32."""
     a = cute.math.abs(x).reduce(cute.ReductionOp.MAX, init_val=Float32(0.0), reduction_profile=0)
-    a = cute.arch.warp_reduction_max(a)
+    a = cute.arch.warp_reduction(a, _max_propagating_nan)
     # warp_idx() lowers to shfl.sync.idx with the full-warp mask (make_warp_uniform): it must run here, with
     # the warp converged. Inside `if lane == 0` only lane 0 executes it (undefined in PTX; in SASS lane 0
     # WARPSYNC.ALL-waits for lanes that are already at bar.sync 0: the H200 hang, notes/prep.md).
@@ -125,14 +136,19 @@ def _block_absmax(x: cute.TensorSSA, reduction_buffer: cute.Tensor) -> Float32:
     cute.arch.barrier()
     a = reduction_buffer[0]
     for w in cutlass.range_constexpr(1, WARPS):
-        a = cute.arch.fmax(a, reduction_buffer[w])
+        a = _max_propagating_nan(a, reduction_buffer[w])
     return a
+
+
+def _max_propagating_nan(a: Float32, b: Float32) -> Float32:
+    return cute.arch.fmax(a, b, nan=True)
 
 
 @cute.jit
 def _scale_and_descale(a: Float32) -> tuple[Float32, Float32]:
-    """``quant._scale_and_descale`` rounding for rounding: ``448 / a`` and ``a / 448``, one IEEE division each."""
-    a = cute.arch.fmax(a, Float32(ABSMAX_FLOOR))
+    """``quant._scale_and_descale`` rounding for rounding: ``448 / a`` and ``a / 448``, one IEEE division each;
+    the floor keeps a NaN absmax NaN, as torch's clamp does."""
+    a = _max_propagating_nan(a, Float32(ABSMAX_FLOOR))
     return Float32(FP8_MAX) / a, a / Float32(FP8_MAX)
 
 
@@ -255,7 +271,8 @@ class AbsmaxPerHead:
         x = _load_block(mV, b, h, n, tidx).load().to(Float32)
         a = _block_absmax(x, reduction_buffer)
         if tidx == 0:
-            # a >= 0: integer max on its bits (atom.max.s32) is the float max, exact in any order.
+            # a >= 0: integer max on its bits (atom.max.s32) is the float max, exact in any order; the canonical
+            # NaN (0x7fffffff) beats inf and every finite value, so a NaN absmax stays NaN.
             cute.arch.atomic_fmax(mAmax.iterator + cute.crd2idx((b, h), mAmax.layout), a, sign_bit=False)
 
 
@@ -451,13 +468,25 @@ def prepare_into(
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     s_pad = num_blocks(out.seqlen_k) * BLOCK
     amax_v = torch.zeros(v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
-    load_prep("quantize_per_block", q.dtype)(q, out.q8, out.d_q, None)
-    k_kind = "quantize_centered_per_block" if smooth_k else "quantize_per_block"
-    load_prep(k_kind, k.dtype)(k, out.k8[:, :, :s_pad], out.d_k, mean_k)
-    load_prep("absmax_per_head", v.dtype)(v, amax_v)
-    v_kind = "pack_v" if residual_energy is None else "pack_v_energy"
-    load_prep(v_kind, v.dtype)(v, amax_v, out.v_packed[..., :s_pad], out.d_v, residual_energy)
+    energy = residual_energy is not None
+    quantize_q, quantize_k, absmax_v, pack = load_kernels(q.dtype, smooth_k=smooth_k, energy=energy)
+    quantize_q(q, out.q8, out.d_q, None)
+    quantize_k(k, out.k8[:, :, :s_pad], out.d_k, mean_k)
+    absmax_v(v, amax_v)
+    pack(v, amax_v, out.v_packed[..., :s_pad], out.d_v, residual_energy)
     return out
+
+
+def load_kernels(dtype: torch.dtype, *, smooth_k: bool, energy: bool) -> tuple:
+    """The four compiled launches of ``prepare_into`` in order (quantize Q, quantize K, V's absmax, pack V), for
+    inputs of ``dtype``, K smoothing and residual energies (V residual repair) as given."""
+    kinds = (
+        "quantize_per_block",
+        "quantize_centered_per_block" if smooth_k else "quantize_per_block",
+        "absmax_per_head",
+        "pack_v_energy" if energy else "pack_v",
+    )
+    return tuple(load_prep(kind, dtype) for kind in kinds)
 
 
 def prepare(
@@ -472,8 +501,10 @@ def prepare(
 ) -> Prepared:
     """Quantize ``(B, S, H, 128)`` fp16/bf16 CUDA tensors q, k, v for the sm90 kernel, on the current stream.
 
-    Byte-identical to ``layout.prepare_reference`` with the same options, except that the repair tokens are
-    ranked by residual energies summed in another order (the choice can differ where two tokens nearly tie).
+    Byte-identical to ``layout.prepare_reference`` with the same options (the descale guards of
+    ``quant.apply_descale_guards`` included; ``softmax_scale`` defaults to ``1 / sqrt(128)``), except that the
+    repair tokens are ranked by residual energies summed in another order (the choice can differ where two tokens
+    nearly tie).
     Arguments are checked by the caller (``validation``, ``support``): same device, dtype, batch and heads.
     """
     batch, seq_q, heads, _ = q.shape
@@ -482,6 +513,10 @@ def prepare(
     out = empty_prepared(batch, seq_q, seq_k, heads, q.device, repair_keys=num_blocks(count) * BLOCK)
     energy = torch.empty(batch, heads, seq_k, dtype=torch.float32, device=q.device) if count else None
     prepare_into(q, k, v, out, smooth_k=smooth_k, residual_energy=energy)
+    tau = softmax_scale_or_default(softmax_scale, HEAD_DIM)
+    d_q, d_v = apply_descale_guards(out.d_q, out.d_k, out.d_v, tau, head_dim=HEAD_DIM)
+    out.d_q.copy_(d_q)
+    out.d_v.copy_(d_v)
     if count:
         tokens = choose_repair_tokens(energy, count, q, k, ranking=repair_ranking, softmax_scale=softmax_scale)
         write_repair_rows(out, v, tokens)

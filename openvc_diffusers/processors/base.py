@@ -7,8 +7,9 @@ import weakref
 from collections import Counter
 
 import torch
+from ..attention import warn_once
 from ..backend import IN_FLIGHT, OPENVC, Route, attend
-from ..config import load_config
+from ..config import format_indices, load_config
 
 ROUTE_ATTR = "_openvc_route"
 """The attention module's attribute that holds its route."""
@@ -43,9 +44,11 @@ _PROCESSORS: weakref.WeakSet["OpenVCProcessorBase"] = weakref.WeakSet()
 @torch.compiler.disable
 def count_compiled_calls(*hook_args) -> None:
     """Forward pre-hook (``apply`` installs it): add the calls of the compiled forwards since the last one to each
-    processor's ``calls``, so that every compiled forward starts with none pending."""
+    processor's ``calls``, so that every compiled forward starts with none pending; and check ``bf16_layers``
+    against the numbered layers."""
     for processor in _PROCESSORS:
         processor._count_compiled_calls()
+        processor.check_bf16_layers()  # a compiled forward numbers the layers while tracing, out of sight of _layer
 
 
 class OpenVCProcessorBase:
@@ -69,6 +72,7 @@ class OpenVCProcessorBase:
         self.layer_count = 0
         self._calls: Counter[tuple[str, str]] = Counter()
         self._routes: list[Route] = []
+        self._bf16_layers_checked = False
         _PROCESSORS.add(self)
 
     # The stock processor code that ours runs passes this to diffusers' dispatch: always "openvc". diffusers'
@@ -98,21 +102,25 @@ class OpenVCProcessorBase:
         if self._attention_backend != OPENVC:
             self.fallback_backend, self._attention_backend = self._attention_backend, OPENVC
         route = getattr(attn, ROUTE_ATTR, None)
-        if route is None or route.owner is not self:
-            index = None if is_cross else self.layer_count
-            self.layer_count += not is_cross
-            route = Route(
-                is_cross=is_cross,
-                index=index,
-                layer=index if index in self.config.bf16_layers else None,
-                owner=self,
-                attn=attn,
-                calls=self._calls,
-                # Compiled calls are counted only where apply's pre-hook empties the counts before every forward.
-                compiled_calls={} if self.step_tracker is not None else None,
-            )
-            self._routes.append(route)
-            setattr(attn, ROUTE_ATTR, route)
+        if route is not None and route.owner is self:
+            # A numbered layer called again, not the backend looking up the route in flight: all are numbered.
+            if not torch.compiler.is_compiling() and route is not IN_FLIGHT.route:
+                self.check_bf16_layers()
+            return route
+        index = None if is_cross else self.layer_count
+        self.layer_count += not is_cross
+        route = Route(
+            is_cross=is_cross,
+            index=index,
+            layer=index if index in self.config.bf16_layers else None,
+            owner=self,
+            attn=attn,
+            calls=self._calls,
+            # Compiled calls are counted only where apply's pre-hook empties the counts before every forward.
+            compiled_calls={} if self.step_tracker is not None else None,
+        )
+        self._routes.append(route)
+        setattr(attn, ROUTE_ATTR, route)
         return route
 
     def _layer(self, attn: torch.nn.Module) -> int:
@@ -128,11 +136,34 @@ class OpenVCProcessorBase:
         finally:
             IN_FLIGHT.route = previous
 
+    def check_bf16_layers(self) -> None:
+        """Once the layers are numbered, warn (once) about ``bf16_layers`` past the model's last layer: entries
+        that match no call, most likely written for another model."""
+        if self._bf16_layers_checked or not self.layer_count:
+            return
+        self._bf16_layers_checked = True
+        count = self.layer_count
+        past = [layer for layer in self.config.bf16_layers if layer >= count]
+        if past:
+            warn_once(
+                f"Open-VC: bf16_layers {format_indices(past)} are past this model's {count} self-attention layers "
+                f"(0-{count - 1}); those entries match no call"
+            )
+
+    def _check_step_tracking(self) -> None:
+        if self.config.bf16_steps and self.step_tracker is None:
+            raise RuntimeError(
+                f"bf16_steps [{format_indices(self.config.bf16_steps)}] needs denoising-step tracking, which "
+                "openvc_diffusers.apply(pipe, config) installs; this processor was installed without it "
+                "(set_attn_processor alone), so it cannot tell the steps apart"
+            )
+
     def _attend(
         self, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cross: bool, **options
     ) -> torch.Tensor:
         """Attention on ``(B, S, H, D)`` through the backend the policy picks; ``(B, S_q, H * D)`` out. ``options``
         are ``backend.attend``'s: ``attn_mask``, ``valid_len``, ``pad_queries``."""
+        self._check_step_tracking()
         route = self.route(attn, is_cross=is_cross)
         out = attend(route, q, k, v, parallel_config=self._parallel_config, **options)
         return out.flatten(2, 3).type_as(q)

@@ -1,0 +1,174 @@
+"""What any input gives, on the CPU: every shape of a grid of batch, lengths (self- and cross-attention), heads,
+dtypes and options; non-finite values and huge logits; gradients; and the same error for a bad call whichever
+backend the policy would pick. tests/test_sm90_gpu.py checks the kernel on the same cases."""
+
+import itertools
+import logging
+
+import pytest
+import torch
+from conftest import exact_attention, rel_l2
+
+import openvc_diffusers
+import openvc_kernels
+from openvc_diffusers import OpenVCProcessor
+from openvc_diffusers.tiny import tiny_wan_inputs, tiny_wan_transformer
+from openvc_kernels.forward_only import FORWARD_ONLY
+from openvc_kernels.quant import CODE_SPAN_LIMIT, limit_code_span, quantize_per_block
+
+LENGTHS = (1, 127, 128, 129, 256, 1000)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+OPTIONS = (
+    {},
+    {"smooth_k": True},
+    {"repair_ratio": 0.05},  # 6 repair keys at 129 tokens, 50 at 1000: at least one tile wherever S_k > 10
+    {"repair_ratio": 0.05, "smooth_k": True, "repair_ranking": "attention"},
+)
+# rel-L2 against float64 on N(0, 1) inputs: 5.7% at S = 4096 (tests/test_reference.py); over a few rows the error
+# varies more (up to 7.1% on one or two rows, measured).
+BOUND, FEW_ROWS_BOUND = 0.065, 0.1
+
+
+def randn(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape).to(dtype)
+
+
+GRID = list(itertools.product((1, 2), LENGTHS, LENGTHS))
+
+
+@pytest.mark.parametrize(("batch", "s_q", "s_k"), GRID, ids=[f"B{b}-q{q}-k{k}" for b, q, k in GRID])
+def test_every_shape_of_the_grid(batch, s_q, s_k, fresh_seed):
+    # Heads, dtype and options cycle over the grid, so each value meets every batch and length.
+    index = GRID.index((batch, s_q, s_k))
+    heads, dtype, options = (1, 3)[index % 2], DTYPES[index % 3], OPTIONS[index // 3 % 4]
+    q = randn(batch, s_q, heads, 128, dtype=dtype)
+    k, v = randn(batch, s_k, heads, 128, dtype=dtype), randn(batch, s_k, heads, 128, dtype=dtype)
+    out = openvc_kernels.reference_attention(q, k, v, **options)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    err = rel_l2(out, exact_attention(q, k, v))
+    bound = BOUND if batch * s_q * heads >= 64 else FEW_ROWS_BOUND
+    assert err <= bound, f"seed {fresh_seed}, H={heads}, {dtype}, {options}: rel-L2 {err:.4f}"
+    if batch == 2:  # batch rows do not mix: the second alone gives its rows bit for bit
+        assert torch.equal(out[1:], openvc_kernels.reference_attention(q[1:], k[1:], v[1:], **options))
+
+
+@pytest.mark.parametrize("tensor", ["q", "k", "v"])
+@pytest.mark.parametrize("value", [float("inf"), -float("inf"), float("nan")])
+def test_a_non_finite_value_makes_its_head_nan_and_leaves_the_others(tensor, value, fresh_seed):
+    inputs = {name: randn(2, 300, 3, 128) for name in "qkv"}
+    clean = openvc_kernels.reference_attention(**inputs, repair_ratio=0.01, smooth_k=True)
+    batch, token, head = 1, int(torch.randint(300, ())), 2
+    inputs[tensor][batch, token, head, int(torch.randint(128, ()))] = value
+    out = openvc_kernels.reference_attention(**inputs, repair_ratio=0.01, smooth_k=True)
+    assert out[batch, :, head].isnan().all(), f"seed {fresh_seed}"
+    hit = torch.zeros(2, 3, dtype=torch.bool)
+    hit[batch, head] = True
+    assert torch.equal(out.transpose(1, 2)[~hit], clean.transpose(1, 2)[~hit]), f"seed {fresh_seed}"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "factor"), [(torch.bfloat16, 5e7), (torch.bfloat16, 1e30), (torch.float16, 6e4), (torch.float32, 1e4)]
+)
+def test_huge_finite_logits_give_a_weighted_average_of_values(dtype, factor, fresh_seed):
+    # q * 5e7: logits of ~1e8 nats, 1e9 codes, where FP32 cannot hold the anchor to a code (it gave NaN). The
+    # code span limit lowers the codes' scale there; the output stays a convex combination of V rows.
+    q, k, v = randn(1, 500, 2, 128), randn(1, 500, 2, 128), randn(1, 500, 2, 128)
+    q = (q.float() * factor).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
+    out = openvc_kernels.reference_attention(q, k.to(dtype), v.to(dtype)).float()
+    assert torch.isfinite(out).all(), f"seed {fresh_seed}"
+    low, high = v.float().amin(dim=1, keepdim=True), v.float().amax(dim=1, keepdim=True)
+    slack = 0.07 * v.float().abs().amax(dim=1, keepdim=True)  # E4M3 rounds V by up to 1/16 of its value
+    assert ((out >= low - slack) & (out <= high + slack)).all(), f"seed {fresh_seed}"
+
+
+def test_the_code_span_limit_leaves_ordinary_inputs_alone(fresh_seed):
+    # Absmaxes near 225 for Q and K: logits of thousands of nats, still left alone.
+    _, d_q = quantize_per_block(torch.randn(2, 3, 1000, 128) * 50)
+    _, d_k = quantize_per_block(torch.randn(2, 3, 1000, 128) * 50)
+    assert torch.equal(limit_code_span(d_q, d_k, 128**-0.5, 128), d_q)
+    lowered = limit_code_span(d_q * 1e6, d_k, 128**-0.5, 128)
+    bound = 128**-0.5 * openvc_kernels.expcast.CODES_PER_NAT * 128 * 448**2 * lowered * d_k.amax(-1, keepdim=True)
+    assert (bound <= CODE_SPAN_LIMIT * 1.0001).all() and (lowered < d_q * 1e6).all()
+
+
+def test_a_gradient_through_the_reference_raises_instead_of_being_zero():
+    q, k, v = (randn(1, 256, 2, 128).requires_grad_() for _ in range(3))
+    out = openvc_kernels.reference_attention(q, k, v)
+    with pytest.raises(RuntimeError, match="forward-only"):
+        out.float().sum().backward()
+    with torch.no_grad():
+        assert not openvc_kernels.reference_attention(q, k, v).requires_grad
+
+
+def test_calls_that_need_gradients_take_the_bf16_fallback_with_its_gradient(caplog):
+    q, k, v = (torch.randn(2, 256, 2, 128, requires_grad=True) for _ in range(3))
+    with caplog.at_level(logging.WARNING, logger="openvc_diffusers"):
+        out = openvc_diffusers.attention(q, k, v, {"min_tokens": 0})
+        openvc_diffusers.attention(q, k, v, {"min_tokens": 0})
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)))
+    assert torch.equal(out, expected.transpose(1, 2))
+    for got, want in zip(grads, torch.autograd.grad(expected.square().sum(), (q, k, v))):
+        torch.testing.assert_close(got, want)
+    messages = [r.getMessage() for r in caplog.records if "autograd" in r.getMessage()]
+    assert messages == ["Open-VC fallback to sdpa: autograd needs gradients through this call; Open-VC is forward-only"]
+    with torch.no_grad():  # without autograd the same call takes Open-VC
+        assert torch.equal(
+            openvc_diffusers.attention(q, k, v, {"min_tokens": 0}),
+            openvc_kernels.reference_attention(q, k, v, repair_ratio=0.005, smooth_k=True),
+        )
+
+
+def test_fine_tuning_through_the_processor_gets_the_stock_gradients(one_thread):
+    # LoRA-style training with the processor installed (its defaults: repair and smoothing): every self-attention
+    # call needs gradients, so all of them take the BF16 fallback and the gradients are the stock model's.
+    model, inputs = tiny_wan_transformer(), tiny_wan_inputs()
+    stock = torch.autograd.grad(model(**inputs)[0].square().mean(), list(model.parameters()))
+    processor = OpenVCProcessor({"min_tokens": 0})
+    model.set_attn_processor(processor)
+    ours = torch.autograd.grad(model(**inputs)[0].square().mean(), list(model.parameters()))
+    assert processor.calls == {("self", "sdpa"): 2, ("cross", "sdpa"): 2}
+    assert all(torch.equal(a, b) for a, b in zip(ours, stock))
+
+
+def _good(s_q=256, s_k=256):
+    return randn(1, s_q, 2, 128), randn(1, s_k, 2, 128), randn(1, s_k, 2, 128)
+
+
+BAD_CALLS = {
+    "integer dtype": lambda: tuple(x.to(torch.int32) for x in _good()),
+    "fp8 dtype": lambda: tuple(x.to(torch.float8_e4m3fn) for x in _good()),
+    "3-D q": lambda: (_good()[0][0], *_good()[1:]),
+    "batch": lambda: (randn(2, 256, 2, 128), *_good()[1:]),
+    "heads": lambda: (randn(1, 256, 3, 128), *_good()[1:]),
+    "head_dim": lambda: (randn(1, 256, 2, 64), *_good()[1:]),
+    "k 77 and v 78 tokens": lambda: (_good()[0], randn(1, 77, 2, 128), randn(1, 78, 2, 128)),
+    "dtypes differ": lambda: (_good()[0].float(), *_good()[1:]),
+    "not a tensor": lambda: (_good()[0].float().numpy(), *_good()[1:]),
+}
+CONFIGS = (
+    {"min_tokens": 0},  # Open-VC (the reference on this machine)
+    {"min_tokens": 10**6},  # the fallback chain
+    {"backends": ["fa4", "sdpa"]},
+    {"backends": ["sdpa"]},
+)
+
+
+@pytest.mark.parametrize("name", BAD_CALLS)
+def test_a_bad_call_fails_alike_whichever_backend_would_take_it(name):
+    messages = set()
+    for config in CONFIGS:
+        with pytest.raises(ValueError) as raised:
+            openvc_diffusers.attention(*BAD_CALLS[name](), config)
+        messages.add(str(raised.value))
+    assert len(messages) == 1, messages
+
+
+def test_float64_takes_the_fallback(caplog):
+    q, k, v = (torch.randn(1, 1024, 2, 128, dtype=torch.float64) for _ in range(3))
+    with caplog.at_level(logging.WARNING, logger="openvc_diffusers"):
+        out = openvc_diffusers.attention(q, k, v)
+    expected = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)))
+    assert torch.equal(out, expected.transpose(1, 2))
+    reason = "openvc: dtype torch.float64; Open-VC takes float16, bfloat16, float32"
+    assert any(reason in r.getMessage() for r in caplog.records)
