@@ -1,10 +1,11 @@
-"""The diffusers attention backend "openvc": after ``import openvc_diffusers``, ``model.set_attention_backend("openvc")``
-or ``with attention_backend("openvc"):`` sends a model's attention through the Open-VC policy.
+"""The diffusers attention backend "openvc": after ``import openvc_diffusers``,
+``model.set_attention_backend("openvc")`` or ``with attention_backend("openvc"):`` sends a model's attention through
+the Open-VC policy.
 
-diffusers names its backends in a closed str Enum (``AttentionBackendName``) and looks every name up in it, so
-``register`` first adds the member ``OPENVC = "openvc"`` with aenum's ``extend_enum`` (written by the author of the
-stdlib enum, it follows the enum internals of each Python release), then records ``openvc_attention`` in diffusers'
-registry. Both are private diffusers API, hence the version check.
+diffusers names its backends in a closed str Enum (``AttentionBackendName``) and looks every name up in it, so this
+module's import adds the member ``OPENVC = "openvc"`` with aenum's ``extend_enum`` (written by the author of the stdlib
+enum, it follows the enum internals of each Python release), and ``register`` records ``openvc_attention`` in
+diffusers' registry. Both are private diffusers API, hence the version check before either.
 
 Each call is routed by a ``Route``: the one an Open-VC processor puts in flight around its stock processor's call
 (its config, the layer, the step, whether it is cross-attention, where to count it), else the backend's own (the
@@ -119,9 +120,8 @@ def register(config=None) -> None:
     Calling it again names another config for the calls that no Open-VC processor routes."""
     global _registered
     _registered = Route(own_config=load_config(config))
-    _AttentionBackendRegistry.register(OPENVC, constraints=[_check_device, _check_shape], supports_context_parallel=True)(
-        openvc_attention
-    )
+    checks = [_check_device, _check_shape]  # diffusers runs them where DIFFUSERS_ATTN_CHECKS is set
+    _AttentionBackendRegistry.register(OPENVC, constraints=checks, supports_context_parallel=True)(openvc_attention)
 
 
 def calls() -> Counter:
@@ -155,11 +155,11 @@ def openvc_attention(
         if config.bf16_steps:
             raise RuntimeError(
                 f"bf16_steps [{format_indices(config.bf16_steps)}] needs denoising-step tracking, which "
-                "openvc_diffusers.apply(pipe, config) installs; the \"openvc\" backend alone cannot tell the steps apart"
+                'openvc_diffusers.apply(pipe, config) installs; the "openvc" backend alone cannot tell the steps apart'
             )
         if config.bf16_layers:
             warn_once(
-                "Open-VC: bf16_layers needs layer numbers, which the \"openvc\" backend alone does not have: "
+                'Open-VC: bf16_layers needs layer numbers, which the "openvc" backend alone does not have: '
                 "openvc_diffusers.apply(pipe, config) numbers them (and routes through this backend)"
             )
         return attend(_registered, query, key, value, attn_mask=attn_mask, parallel_config=_parallel_config)

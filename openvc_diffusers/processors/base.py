@@ -68,7 +68,7 @@ class OpenVCProcessorBase:
         self.config = load_config(config)
         self.step_tracker = None
         self.fallback_backend = None
-        """The diffusers backend of the policy's ``sdpa``: ``set_attention_backend``'s choice, None for the active one."""
+        """The diffusers backend of the policy's ``sdpa``: ``set_attention_backend``'s choice; None: the active one."""
         self.layer_count = 0
         self._calls: Counter[tuple[str, str]] = Counter()
         self._routes: list[Route] = []
