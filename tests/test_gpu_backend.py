@@ -10,6 +10,7 @@ bit; compiled the way diffusers tests attention backends (``compile_repeated_blo
 
 import pytest
 import torch
+from conftest import needs_hopper
 from diffusers import WanTransformer3DModel
 from diffusers.models.attention_dispatch import attention_backend
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -22,10 +23,7 @@ from openvc_diffusers.tiny import cast_like_from_pretrained
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-        reason="needs a Hopper GPU",
-    ),
+    needs_hopper,
     pytest.mark.usefixtures("fresh_dynamo"),
 ]
 
