@@ -48,7 +48,7 @@ def count_compiled_calls(*hook_args) -> None:
     against the numbered layers."""
     for processor in _PROCESSORS:
         processor._count_compiled_calls()
-        processor.check_bf16_layers()  # a compiled forward numbers the layers while tracing, out of sight of _layer
+        processor.check_bf16_layers()  # apply numbered the layers before any forward
 
 
 class OpenVCProcessorBase:
