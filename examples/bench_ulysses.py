@@ -58,6 +58,7 @@ from bench_pipeline import log as print_line
 from diffusers import WanTransformer3DModel
 
 import openvc_diffusers
+import openvc_diffusers.backend as backend_module
 import openvc_diffusers.processors.base as processor_base
 from openvc_diffusers import cli
 from openvc_diffusers.backends import fa4_unavailable_reason
@@ -215,8 +216,8 @@ class SelfAttentionTimer:
     """Marks on the device's timeline, without synchronising, around each self-attention call of Open-VC's
     processors, the attention backend call inside it and its all-to-all exchanges.
 
-    While ``timing()`` is active it wraps ``OpenVCProcessorBase._attend`` and the functions it looks up in its
-    module (``run``, ``sequence_to_heads``, ``heads_to_sequence``), so the package runs unchanged.
+    While ``timing()`` is active it wraps ``OpenVCProcessorBase._attend`` and the functions ``backend.attend`` looks
+    up in its module (``run``, ``sequence_to_heads``, ``heads_to_sequence``), so the package runs unchanged.
     """
 
     def __init__(self, device: torch.device):
@@ -231,8 +232,8 @@ class SelfAttentionTimer:
         with ExitStack() as stack:
             stack.enter_context(mock.patch.object(base, "_attend", self._timed_attend(base._attend)))
             for name, span in TIMED_FUNCTIONS.items():
-                wrapped = self._timed(span, getattr(processor_base, name))
-                stack.enter_context(mock.patch.object(processor_base, name, wrapped))
+                wrapped = self._timed(span, getattr(backend_module, name))
+                stack.enter_context(mock.patch.object(backend_module, name, wrapped))
             yield self
 
     def _timed_attend(self, attend):

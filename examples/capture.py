@@ -163,7 +163,7 @@ def capture(pipe, args) -> dict[str, torch.Tensor]:
     missing = ", ".join(f"step {step} layer {layer}" for step, layer in sorted(processor.wanted))
     sys.exit(
         f"not captured: {missing}. The run had {processor.step + 1} denoising steps and "
-        f"{len(processor._layers)} self-attention layers."
+        f"{processor.layer_count} self-attention layers."
     )
 
 

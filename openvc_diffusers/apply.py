@@ -39,11 +39,18 @@ class Family:
     processor: type[OpenVCProcessorBase]
     keep: tuple[type, ...] = ()
     """Other processors in the same models, left to diffusers."""
+    cross_attention: str | None = None
+    """The name of the family's cross-attention modules (the others attend to the video tokens)."""
 
 
 FAMILIES = (
-    Family("Wan 2.1/2.2 and SkyReels-V2", (WanAttnProcessor, SkyReelsV2AttnProcessor), OpenVCProcessor),
-    Family("LTX-Video", (LTXVideoAttnProcessor,), LTXVideoOpenVCProcessor),
+    Family(
+        "Wan 2.1/2.2 and SkyReels-V2",
+        (WanAttnProcessor, SkyReelsV2AttnProcessor),
+        OpenVCProcessor,
+        cross_attention="attn2",
+    ),
+    Family("LTX-Video", (LTXVideoAttnProcessor,), LTXVideoOpenVCProcessor, cross_attention="attn2"),
     # The text-token refiner's attention: 256 text tokens with a per-query mask, no video.
     Family("HunyuanVideo", (HunyuanVideoAttnProcessor2_0,), HunyuanVideoOpenVCProcessor, keep=(AttnProcessor2_0,)),
     Family(
@@ -75,10 +82,11 @@ def pipeline_transformers(target) -> list[torch.nn.Module]:
     return found
 
 
-def _attention_to_replace(model: torch.nn.Module) -> tuple[Family, list[torch.nn.Module]]:
-    """The model's family and the attention modules whose processor Open-VC replaces; every other attention
-    module must be one the family leaves to diffusers, so no attention is silently left out."""
-    attention = [m for m in model.modules() if getattr(m, "processor", None) is not None]
+def _attention_to_replace(model: torch.nn.Module) -> tuple[Family, dict[torch.nn.Module, str]]:
+    """The model's family and the attention modules whose processor Open-VC replaces, in module order, with their
+    names; every other attention module must be one the family leaves to diffusers, so no attention is silently
+    left out."""
+    attention = {m: name for name, m in model.named_modules() if getattr(m, "processor", None) is not None}
     families = {m: _family(m.processor) for m in attention}
     found = {f for f in families.values() if f is not None}
     if len(found) != 1:
@@ -89,14 +97,16 @@ def _attention_to_replace(model: torch.nn.Module) -> tuple[Family, list[torch.nn
     if uncovered:
         names = ", ".join(sorted(c.__name__ for c in uncovered))
         raise ValueError(f"{type(model).__name__} is {family.name} but has attention Open-VC does not cover: {names}")
-    return family, [m for m, f in families.items() if f is family]
+    return family, {m: attention[m] for m, f in families.items() if f is family}
 
 
 def apply(target, config=None) -> OpenVCProcessorBase:
     """Give the video attention of every transformer of ``target`` (a pipeline or a model) one shared Open-VC
     processor of its family, mirroring diffusers' own; other processors are refused with ``ValueError``.
 
-    Also tracks denoising steps from the transformers' ``timestep`` so ``bf16_steps`` applies, and with
+    Numbers each transformer's self-attention layers in module order, for ``bf16_layers`` (before any call, so a
+    compiled model makes no numbers: under caches that skip blocks too). Also tracks denoising steps from the
+    transformers' ``timestep`` so ``bf16_steps`` applies, and with
     ``parallel.ulysses_degree > 1`` shards each transformer's sequence over the torch.distributed world.
     Returns the processor (its ``calls`` counts which backend took which calls).
     """
@@ -110,13 +120,16 @@ def apply(target, config=None) -> OpenVCProcessorBase:
     processor.step_tracker = StepTracker(watched=config.bf16_steps)
     if config.ulysses_degree > 1:
         processor._parallel_config = enable_ulysses(models, config.ulysses_degree)
+    family = plans[0][0]
     for model, (_, modules) in zip(models, plans):
-        for module in modules:
+        processor.layer_count = 0  # each transformer (Wan 2.2's two experts) numbers its layers from 0
+        for module, name in modules.items():
             # MochiAttention has no set_processor: its forward just calls the attribute.
             if hasattr(module, "set_processor"):
                 module.set_processor(processor)
             else:
                 module.processor = processor
+            processor.route(module, is_cross=name.rsplit(".", 1)[-1] == family.cross_attention)
         model.register_forward_pre_hook(processor.step_tracker, with_kwargs=True)
         model.register_forward_pre_hook(count_compiled_calls)
     return processor

@@ -6,7 +6,7 @@ import torch
 
 import openvc_kernels
 
-from .backends import run_fa4, run_reference, run_sdpa
+from .backends import kernel_options, run_fa4, run_reference, run_sdpa
 from .config import OpenVCConfig, load_config
 from .policy import FA4, OPENVC_KERNEL, OPENVC_REFERENCE, Call, Decision, decide
 
@@ -40,7 +40,7 @@ def run(
     for reason in decision.reasons:
         warn_once(f"Open-VC fallback to {decision.backend}: {reason}")
     if decision.backend == OPENVC_KERNEL:
-        return openvc_kernels.attention(q, k, v, **config.kernel_options).to(q.dtype)
+        return openvc_kernels.attention(q, k, v, **kernel_options(config)).to(q.dtype)
     if decision.backend == OPENVC_REFERENCE:
         warn_once(REFERENCE_WARNING)
         return run_reference(q, k, v, config)

@@ -7,7 +7,7 @@ import functools
 import importlib.util
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry, dispatch_attention_fn
 
 import openvc_kernels
 
@@ -52,10 +52,28 @@ def run_fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def run_sdpa(q, k, v, attn_mask=None, attention_backend=None) -> torch.Tensor:
-    """diffusers' own dispatch, so output is identical to the stock processors'."""
+    """diffusers' own dispatch (``attention_backend``, None for the active one), so output is identical to the stock
+    processors'. Where that would be the "openvc" backend itself, diffusers' native attention."""
+    if attention_backend is None:
+        attention_backend = _AttentionBackendRegistry._active_backend
+    if attention_backend == "openvc":
+        attention_backend = AttentionBackendName.NATIVE
     return dispatch_attention_fn(q, k, v, attn_mask=attn_mask, backend=attention_backend)
+
+
+# torch.compile runs this while tracing and keeps the answer: traced with dynamic=True, the config's floats
+# (repair_ratio) would become symbolic inputs, which the kernel's argument checks (math.isfinite) cannot take.
+# (A tuple of pairs: a dict result would be guarded on, which its constant source cannot be.)
+@torch.compiler.assume_constant_result
+def _kernel_option_items(config) -> tuple:
+    return tuple(config.kernel_options.items())
+
+
+def kernel_options(config) -> dict:
+    """``config.kernel_options``, constants of a frozen config."""
+    return dict(_kernel_option_items(config))
 
 
 def run_reference(q, k, v, config) -> torch.Tensor:
     """The reference with the config's Open-VC settings, in q's dtype."""
-    return openvc_kernels.reference_attention(q, k, v, **config.kernel_options).to(q.dtype)
+    return openvc_kernels.reference_attention(q, k, v, **kernel_options(config)).to(q.dtype)

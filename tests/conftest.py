@@ -5,6 +5,10 @@ import torch
 
 from openvc_diffusers.metrics import rel_l2  # noqa: F401  (tests import it from here)
 
+needs_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs a Hopper GPU"
+)
+
 
 @pytest.fixture
 def fresh_seed() -> int:

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from diffusers.models.attention_dispatch import attention_backend
 from torch._dynamo.testing import CompileCounter
 
 import openvc_diffusers
@@ -34,14 +35,11 @@ def test_compiled_forwards_are_counted_in_one_graph_without_recompiling(caplog, 
     processor = openvc_diffusers.apply(model, {"min_tokens": 0})
     backend = CompileCounter()
     compiled = torch.compile(model, backend=backend)
-    with caplog.at_level(logging.WARNING, "openvc_diffusers"):
-        # The first forward numbers the layers, a change the second one's guards see: one recompile.
-        run_steps(compiled, inputs, [900, 800])
-        # A guard on a count or on the step would fail here, and the error would name it.
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            run_steps(compiled, inputs, [700, 600])
+    # apply numbered the layers: a guard on a count, a layer or the step would fail here, and the error would name it.
+    with caplog.at_level(logging.WARNING, "openvc_diffusers"), torch._dynamo.config.patch(error_on_recompile=True):
+        run_steps(compiled, inputs, [900, 800, 700, 600])
     assert processor.calls == {(SELF, OPENVC): 8, (CROSS, SDPA): 8}
-    assert backend.frame_count == 2
+    assert backend.frame_count == 1
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert [r.getMessage() for r in caplog.records] == [attention_module.REFERENCE_WARNING]
 
@@ -104,3 +102,54 @@ def test_package_lookups_are_evaluated_not_traced(monkeypatch):
         return q + 1, kernel, backends.fa4_installed()
 
     assert checks(torch.zeros(2, 128))[1:] == ("no kernel here", True)
+
+
+@pytest.fixture
+def through_the_backend():
+    """Route a model's attention through the "openvc" backend alone (no Open-VC processor), as diffusers users do;
+    the import's registration and diffusers' native backend afterwards."""
+
+    def route(model, config):
+        openvc_diffusers.register(config)
+        model.set_attention_backend("openvc")
+
+    with attention_backend("native"):  # set_attention_backend also sets the process-wide backend (diffusers#14249)
+        yield route
+    openvc_diffusers.register()
+
+
+def eager_outputs(model, inputs, timesteps) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [model(**{**inputs, "timestep": torch.tensor([t])})[0] for t in timesteps]
+
+
+@pytest.mark.parametrize("route", ["processor", "backend"])
+def test_repeated_blocks_compile_once_for_every_block_and_step(route, through_the_backend):
+    # compile_repeated_blocks compiles one block's code for all blocks: whatever the traced code reads must not change
+    # from block to block (the layer numbering did, and the compiled calls' counts) nor from step to step.
+    model, inputs = tiny_wan_transformer(), tiny_wan_inputs()
+    if route == "processor":
+        processor = openvc_diffusers.apply(model, {"min_tokens": 0})
+    else:
+        through_the_backend(model, {"min_tokens": 0})
+    eager = eager_outputs(model, inputs, [900, 800, 700])
+    backend = CompileCounter()
+    model.compile_repeated_blocks(fullgraph=True, backend=backend)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = eager_outputs(model, inputs, [900, 800, 700])
+    assert backend.frame_count == 1
+    assert all(torch.equal(c, e) for c, e in zip(compiled, eager))
+    if route == "processor":
+        assert processor.calls == {(SELF, OPENVC): 12, (CROSS, SDPA): 12}  # eager and compiled, 3 steps x 2 layers each
+
+
+def test_whole_model_compiles_into_one_dynamic_graph_with_the_backend(through_the_backend):
+    model, inputs = tiny_wan_transformer(), tiny_wan_inputs()
+    through_the_backend(model, {"min_tokens": 0})
+    eager = eager_outputs(model, inputs, [900, 800, 700])
+    backend = CompileCounter()
+    compiled_model = torch.compile(model, fullgraph=True, dynamic=True, backend=backend)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = eager_outputs(compiled_model, inputs, [900, 800, 700])
+    assert backend.frame_count == 1
+    assert all(torch.equal(c, e) for c, e in zip(compiled, eager))

@@ -7,6 +7,7 @@ The transformer is Wan-shaped and small: 2 layers of 4 heads x 128, bfloat16 as 
 
 import pytest
 import torch
+from conftest import needs_hopper
 from diffusers import WanTransformer3DModel
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -17,10 +18,7 @@ from openvc_diffusers.tiny import cast_like_from_pretrained
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-        reason="needs a Hopper GPU",
-    ),
+    needs_hopper,
     pytest.mark.usefixtures("fresh_dynamo"),
 ]
 

@@ -1,17 +1,18 @@
-"""What every Open-VC processor shares: the config, the per-call policy decision and run, and the bookkeeping
-(``calls``, layer numbers, the denoising step). Each family's processor mirrors diffusers' stock one and hands
-every attention call to ``_attend``."""
+"""What every Open-VC processor shares: the config, the per-module routes that the "openvc" backend follows, and the
+bookkeeping (``calls``, layer numbers, the denoising step). Where a family's stock processor dispatches, its Open-VC
+processor is that processor with a route in flight around each call (``_routed``); the other families' processors
+mirror diffusers' and hand every attention call to ``_attend``. Either way the call ends in ``backend.attend``."""
 
 import weakref
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
-
-from ..attention import run, warn_once
+from ..attention import warn_once
+from ..backend import IN_FLIGHT, OPENVC, Route, attend
 from ..config import format_indices, load_config
-from ..parallel import heads_to_sequence, sequence_to_heads, ulysses_group
-from ..policy import SDPA, Call, decide
+
+ROUTE_ATTR = "_openvc_route"
+"""The attention module's attribute that holds its route."""
 
 
 def _qkv(attn, x: torch.Tensor, projections, norm_q, norm_k) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,32 +48,37 @@ def count_compiled_calls(*hook_args) -> None:
     against the numbered layers."""
     for processor in _PROCESSORS:
         processor._count_compiled_calls()
-        processor.check_bf16_layers()  # a compiled forward numbers the layers while tracing, out of sight of _layer
+        processor.check_bf16_layers()  # apply numbered the layers before any forward
 
 
 class OpenVCProcessorBase:
     """Base of the family processors; ``config`` is anything ``openvc_diffusers.load_config`` takes.
 
-    Self-attention layers (joint video+text attention included) are numbered in the order they first run, for
-    ``bf16_layers``; the denoising step, for ``bf16_steps``, comes from the ``step_tracker`` that
-    ``openvc_diffusers.apply`` installs. ``calls`` counts the calls per ``(kind, backend)``, kind being "self"
-    or "cross": under torch.compile too when ``apply`` installed the processor, while a CUDA graph's replays add
-    nothing (its calls are counted once, at capture).
+    Self-attention layers (joint video+text attention included) are numbered for ``bf16_layers`` in module order by
+    ``openvc_diffusers.apply``, else in the order they first run; the denoising step, for ``bf16_steps``, comes from
+    the ``step_tracker`` that ``apply`` installs. ``calls`` counts the calls per ``(kind, backend)``, kind being
+    "self" or "cross": under torch.compile too when ``apply`` installed the processor, while a CUDA graph's replays
+    add nothing (its calls are counted once, at capture).
     """
 
-    # Set by diffusers' set_attention_backend, as on its own processors; _parallel_config by
-    # openvc_diffusers.apply when parallel.ulysses_degree > 1.
-    _attention_backend = None
+    # Set by openvc_diffusers.apply when parallel.ulysses_degree > 1, or by diffusers' enable_parallelism.
     _parallel_config = None
 
     def __init__(self, config=None):
         self.config = load_config(config)
         self.step_tracker = None
-        self._layers: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+        self.fallback_backend = None
+        """The diffusers backend of the policy's ``sdpa``: ``set_attention_backend``'s choice; None: the active one."""
+        self.layer_count = 0
         self._calls: Counter[tuple[str, str]] = Counter()
-        self._compiled_calls: dict[tuple[str, str], int] = {}
+        self._routes: list[Route] = []
         self._bf16_layers_checked = False
         _PROCESSORS.add(self)
+
+    # The stock processor code that ours runs passes this to diffusers' dispatch: always "openvc". diffusers'
+    # set_attention_backend and reset_attention_backend write it on every processor; route() takes what they wrote as
+    # the backend of the policy's sdpa fallback and puts "openvc" back.
+    _attention_backend = OPENVC
 
     @property
     def calls(self) -> Counter[tuple[str, str]]:
@@ -84,31 +90,59 @@ class OpenVCProcessorBase:
     def step(self) -> int | None:
         return None if self.step_tracker is None else self.step_tracker.step
 
-    def _count(self, kind: str, backend: str) -> None:
-        if not torch.compiler.is_compiling():
-            self._calls[kind, backend] += 1
-        elif self.step_tracker is not None:
-            # Traced, `calls[key] += 1` is a guard on the count: a recompile at every call. A compiled forward
-            # counts into _compiled_calls, which apply's pre-hook (installed with step_tracker) empties before every
-            # forward, so its guard is on an empty dict and holds. Without that hook compiled calls go uncounted.
-            self._compiled_calls[kind, backend] = self._compiled_calls.get((kind, backend), 0) + 1
-
     def _count_compiled_calls(self) -> None:
-        self._calls.update(self._compiled_calls)
-        self._compiled_calls.clear()
+        for route in self._routes:
+            if route.compiled_calls:
+                self._calls.update(route.compiled_calls)
+                route.compiled_calls.clear()
+
+    def route(self, attn: torch.nn.Module, *, is_cross: bool) -> Route:
+        """``attn``'s route, made at its first call unless ``apply`` made it up front. A compiled model should not
+        make one: traced, the layer count is a guard that every later block fails."""
+        if self._attention_backend != OPENVC:
+            self.fallback_backend, self._attention_backend = self._attention_backend, OPENVC
+        route = getattr(attn, ROUTE_ATTR, None)
+        if route is not None and route.owner is self:
+            # A numbered layer called again, not the backend looking up the route in flight: all are numbered.
+            if not torch.compiler.is_compiling() and route is not IN_FLIGHT.route:
+                self.check_bf16_layers()
+            return route
+        index = None if is_cross else self.layer_count
+        self.layer_count += not is_cross
+        route = Route(
+            is_cross=is_cross,
+            index=index,
+            layer=index if index in self.config.bf16_layers else None,
+            owner=self,
+            attn=attn,
+            calls=self._calls,
+            # Compiled calls are counted only where apply's pre-hook empties the counts before every forward.
+            compiled_calls={} if self.step_tracker is not None else None,
+        )
+        self._routes.append(route)
+        setattr(attn, ROUTE_ATTR, route)
+        return route
 
     def _layer(self, attn: torch.nn.Module) -> int:
-        if not torch.compiler.is_compiling() and attn in self._layers:
-            self.check_bf16_layers()  # a layer runs again: every layer is numbered
-        return self._layers.setdefault(attn, len(self._layers))
+        """The number of ``attn``'s self-attention layer."""
+        return self.route(attn, is_cross=False).index
+
+    def _routed(self, attn: torch.nn.Module, is_cross: bool, stock_call, *args) -> torch.Tensor:
+        """``stock_call(self, attn, *args)`` (a stock processor's ``__call__``, which dispatches to the "openvc"
+        backend) with ``attn``'s route in flight, so that the backend calls ``_attend`` with it."""
+        previous, IN_FLIGHT.route = IN_FLIGHT.route, self.route(attn, is_cross=is_cross)
+        try:
+            return stock_call(self, attn, *args)
+        finally:
+            IN_FLIGHT.route = previous
 
     def check_bf16_layers(self) -> None:
         """Once the layers are numbered, warn (once) about ``bf16_layers`` past the model's last layer: entries
         that match no call, most likely written for another model."""
-        if self._bf16_layers_checked or not self._layers:
+        if self._bf16_layers_checked or not self.layer_count:
             return
         self._bf16_layers_checked = True
-        count = len(self._layers)
+        count = self.layer_count
         past = [layer for layer in self.config.bf16_layers if layer >= count]
         if past:
             warn_once(
@@ -125,48 +159,11 @@ class OpenVCProcessorBase:
             )
 
     def _attend(
-        self,
-        attn: torch.nn.Module,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        is_cross: bool,
-        attn_mask: torch.Tensor | None = None,
-        valid_len: int | None = None,
-        pad_queries: bool = False,
+        self, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cross: bool, **options
     ) -> torch.Tensor:
-        """Attention on ``(B, S, H, D)`` through the backend the policy picks; ``(B, S_q, H * D)`` out.
-
-        ``valid_len``: ``attn_mask`` hides exactly the keys from this index on, in every batch row, so a backend
-        that takes no mask runs on K/V trimmed to it; SDPA still gets the mask, which keeps its output identical
-        to diffusers'. ``pad_queries``: the mask also hides the query rows from ``valid_len`` on, whose output is
-        then zero (as SDPA gives a row with no key), so those rows are trimmed too.
-
-        Under Ulysses (``_parallel_config`` set) self-attention exchanges sequence shards for head shards first and
-        back after; cross-attention needs no exchange: each rank's query shard attends to the whole context.
-        """
+        """Attention on ``(B, S, H, D)`` through the backend the policy picks; ``(B, S_q, H * D)`` out. ``options``
+        are ``backend.attend``'s: ``attn_mask``, ``valid_len``, ``pad_queries``."""
         self._check_step_tracking()
-        sharded = self._parallel_config is not None and not is_cross
-        if sharded:
-            if attn_mask is not None:
-                raise RuntimeError(f"{type(self).__name__}: masked self-attention under Ulysses is not supported")
-            group = ulysses_group(self._parallel_config)
-            q, k, v = (sequence_to_heads(x, group) for x in (q, k, v))
-        trim = valid_len is not None
-        q_seen = q[:, :valid_len] if trim and pad_queries else q
-        layer = None if is_cross else self._layer(attn)
-        has_mask = attn_mask is not None and not trim
-        # watched_step, not step: a guard on the step would recompile a compiled model at every step.
-        step = None if self.step_tracker is None else self.step_tracker.watched_step
-        call = Call(q_seen, k, v, is_cross=is_cross, has_mask=has_mask, layer=layer, step=step)
-        decision = decide(self.config, call)
-        self._count("cross" if is_cross else "self", decision.backend)
-        if trim and decision.backend != SDPA:
-            out = run(decision, self.config, q_seen, k[:, :valid_len], v[:, :valid_len])
-            out = F.pad(out, (0, 0, 0, 0, 0, q.shape[1] - q_seen.shape[1]))
-        else:
-            out = run(decision, self.config, q, k, v, attn_mask=attn_mask, attention_backend=self._attention_backend)
-        if sharded:
-            out = heads_to_sequence(out, group)
+        route = self.route(attn, is_cross=is_cross)
+        out = attend(route, q, k, v, parallel_config=self._parallel_config, **options)
         return out.flatten(2, 3).type_as(q)

@@ -1,0 +1,213 @@
+"""The diffusers attention backend "openvc": after ``import openvc_diffusers``,
+``model.set_attention_backend("openvc")`` or ``with attention_backend("openvc"):`` sends a model's attention through
+the Open-VC policy.
+
+diffusers names its backends in a closed str Enum (``AttentionBackendName``) and looks every name up in it, so this
+module's import adds the member ``OPENVC = "openvc"`` with aenum's ``extend_enum`` (written by the author of the stdlib
+enum, it follows the enum internals of each Python release), and ``register`` records ``openvc_attention`` in
+diffusers' registry. Both are private diffusers API, hence the version check before either.
+
+Each call is routed by a ``Route``: the one an Open-VC processor puts in flight around its stock processor's call
+(its config, the layer, the step, whether it is cross-attention, where to count it), else the backend's own (the
+registered config; cross-attention where the key sequence is not as long as the query's; no layer or step).
+"""
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import diffusers
+import torch
+import torch.nn.functional as F
+from aenum import extend_enum
+from diffusers.models.attention_dispatch import (
+    AttentionBackendName,
+    _AttentionBackendRegistry,
+    _check_device,
+    _check_shape,
+    dispatch_attention_fn,
+)
+from packaging.version import Version
+
+from .attention import run, warn_once
+from .config import OpenVCConfig, format_indices, load_config
+from .parallel import heads_to_sequence, sequence_to_heads, ulysses_group
+from .policy import SDPA, Call, decide
+
+NAME = "openvc"
+TESTED_DIFFUSERS = ((0, 37), (0, 43))
+"""diffusers releases the package was tested on: from the first (inclusive) to the second (exclusive). The registry's
+``supports_context_parallel`` dates from 0.36; 0.37 is the first whose Wan context-parallel plan leaves the text
+context whole on every rank, which Ulysses here relies on (cross-attention takes no all-to-all)."""
+
+
+def check_diffusers_version(version: str = diffusers.__version__) -> None:
+    """Raise ``RuntimeError`` unless ``version`` is a diffusers release the backend was tested on."""
+    (low, high), release = TESTED_DIFFUSERS, Version(version).release
+    if not low <= release[:2] < high:
+        tested = f">={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+        raise RuntimeError(
+            f"openvc_diffusers registers its attention backend through diffusers' private registry and was tested "
+            f"on diffusers{tested}; diffusers {version} is installed: pip install 'diffusers{tested}'"
+        )
+
+
+check_diffusers_version()
+if NAME not in AttentionBackendName._value2member_map_:
+    extend_enum(AttentionBackendName, "OPENVC", NAME)
+OPENVC = AttentionBackendName.OPENVC
+
+
+@dataclass(eq=False)
+class Route:
+    """What the backend knows of an attention call besides its tensors: the backend's own, or that of one attention
+    module under an Open-VC processor (``owner``), which keeps it on the module.
+
+    ``layer`` is what the policy reads: the layer number where it is one of ``bf16_layers``, else None, so that
+    torch.compile's guard on it holds from block to block (``index`` is the number itself). ``is_cross`` None:
+    cross-attention where the keys are not as many as the queries.
+    """
+
+    own_config: OpenVCConfig | None = None
+    """The backend's config; an owner's routes follow the owner's ``config`` (examples/calibrate.py swaps it)."""
+    is_cross: bool | None = None
+    index: int | None = None
+    layer: int | None = None
+    owner: object = None
+    attn: torch.nn.Module | None = None
+    calls: Counter = field(default_factory=Counter)
+    compiled_calls: dict | None = None
+    """Where compiled calls are counted, None to leave them uncounted; the owner empties it before each forward,
+    so that torch.compile's guard on it (empty) holds in every block of a model and at every step."""
+
+    @property
+    def config(self) -> OpenVCConfig:
+        return self.own_config if self.owner is None else self.owner.config
+
+    @property
+    def step(self) -> int | None:
+        """The step where it is one of ``bf16_steps``, else None (a guard on the step would recompile every step)."""
+        tracker = getattr(self.owner, "step_tracker", None)
+        return None if tracker is None else tracker.watched_step
+
+    @property
+    def fallback(self):
+        """The diffusers backend that the policy's ``sdpa`` stands for: the owner's ``set_attention_backend`` choice."""
+        return getattr(self.owner, "fallback_backend", None)
+
+    def count(self, kind: str, backend: str) -> None:
+        if not torch.compiler.is_compiling():
+            self.calls[kind, backend] += 1
+        elif self.compiled_calls is not None:
+            # Traced, `calls[key] += 1` would be a guard on the count, and a recompile at every call.
+            self.compiled_calls[kind, backend] = self.compiled_calls.get((kind, backend), 0) + 1
+
+
+class _InFlight:
+    """The route of the call in flight, set by a processor around its stock processor's call."""
+
+    def __init__(self):
+        # An instance attribute from the start: torch.compile guards on where the attribute lives.
+        self.route: Route | None = None
+
+
+IN_FLIGHT = _InFlight()
+_registered: Route | None = None
+
+
+def register(config=None) -> None:
+    """Register "openvc" in diffusers' backend registry (``import openvc_diffusers`` does, with ``config`` None), its
+    calls follow ``config``: anything ``load_config`` takes; None reads ``$OPENVC_CONFIG`` or the defaults.
+    Calling it again names another config for the calls that no Open-VC processor routes."""
+    global _registered
+    _registered = Route(own_config=load_config(config))
+    checks = [_check_device, _check_shape]  # diffusers runs them where DIFFUSERS_ATTN_CHECKS is set
+    _AttentionBackendRegistry.register(OPENVC, constraints=checks, supports_context_parallel=True)(openvc_attention)
+
+
+def calls() -> Counter:
+    """Calls per ``(kind, backend)`` that the backend routed itself (no Open-VC processor around them), eagerly run."""
+    return _registered.calls
+
+
+def openvc_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    _parallel_config=None,
+) -> torch.Tensor:
+    """The registered backend: ``(B, S, H, D)`` in and out, as diffusers' backends take them."""
+    default_scale = scale is None or scale == query.shape[-1] ** -0.5
+    if dropout_p or is_causal or not default_scale:
+        warn_once(
+            f"Open-VC fallback to native: dropout_p={dropout_p}, is_causal={is_causal}, scale={scale}; "
+            "Open-VC takes dropout_p=0, is_causal=False and scale 1/sqrt(head_dim)"
+        )
+        return dispatch_attention_fn(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, backend=AttentionBackendName.NATIVE
+        )
+    route = IN_FLIGHT.route
+    if route is None:
+        config = _registered.config
+        if config.bf16_steps:
+            raise RuntimeError(
+                f"bf16_steps [{format_indices(config.bf16_steps)}] needs denoising-step tracking, which "
+                'openvc_diffusers.apply(pipe, config) installs; the "openvc" backend alone cannot tell the steps apart'
+            )
+        if config.bf16_layers:
+            warn_once(
+                'Open-VC: bf16_layers needs layer numbers, which the "openvc" backend alone does not have: '
+                "openvc_diffusers.apply(pipe, config) numbers them (and routes through this backend)"
+            )
+        return attend(_registered, query, key, value, attn_mask=attn_mask, parallel_config=_parallel_config)
+    # An Open-VC processor's call: through its _attend, which subclasses extend (examples/ time and capture there).
+    out = route.owner._attend(route.attn, query, key, value, is_cross=route.is_cross, attn_mask=attn_mask)
+    return out.unflatten(2, (query.shape[2], -1))
+
+
+def attend(
+    route: Route,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    parallel_config=None,
+    valid_len: int | None = None,
+    pad_queries: bool = False,
+) -> torch.Tensor:
+    """Attention on ``(B, S, H, D)`` through the backend the policy picks, in q's dtype and layout.
+
+    ``valid_len``: ``attn_mask`` hides exactly the keys from this index on, in every batch row, so a backend that
+    takes no mask runs on K/V trimmed to it; SDPA still gets the mask, which keeps its output identical to diffusers'.
+    ``pad_queries``: the mask also hides the query rows from ``valid_len`` on, whose output is then zero (as SDPA
+    gives a row with no key), so those rows are trimmed too.
+
+    Under Ulysses (``parallel_config`` set) self-attention exchanges sequence shards for head shards first and back
+    after; cross-attention needs no exchange: each rank's query shard attends to the whole context.
+    """
+    is_cross = route.is_cross if route.is_cross is not None else k.shape[1] != q.shape[1]
+    sharded = parallel_config is not None and not is_cross
+    if sharded:
+        if attn_mask is not None:
+            raise RuntimeError("Open-VC: masked self-attention under Ulysses is not supported")
+        group = ulysses_group(parallel_config)
+        q, k, v = (sequence_to_heads(x, group) for x in (q, k, v))
+    trim = valid_len is not None
+    q_seen = q[:, :valid_len] if trim and pad_queries else q
+    layer = None if is_cross else route.layer
+    has_mask = attn_mask is not None and not trim
+    call = Call(q_seen, k, v, is_cross=is_cross, has_mask=has_mask, layer=layer, step=route.step)
+    decision = decide(route.config, call)
+    route.count("cross" if is_cross else "self", decision.backend)
+    if trim and decision.backend != SDPA:
+        out = run(decision, route.config, q_seen, k[:, :valid_len], v[:, :valid_len])
+        out = F.pad(out, (0, 0, 0, 0, 0, q.shape[1] - q_seen.shape[1]))
+    else:
+        out = run(decision, route.config, q, k, v, attn_mask=attn_mask, attention_backend=route.fallback)
+    if sharded:
+        out = heads_to_sequence(out, group)
+    return out
