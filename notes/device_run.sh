@@ -15,7 +15,8 @@
 # the image's own) into .whl/c1 .. .whl/cN, one folder per call (carry [".whl/cK"]). Each call stashes what it
 # carries in /tmp/wheels; until every piece its MANIFEST names is there it exits 3 ("stashed"). Then the pieces
 # are joined and installed with --no-deps into /tmp/site, which holds nothing else, and the checkout itself is
-# installed from source into /tmp/project at every call (the tree travels anew each time).
+# installed from source into /tmp/project at every call (the tree travels anew each time). The first call also
+# carries .whl/extra (carry [".whl/c1", ".whl/extra"]) where a stage needs FlashAttention-4 (EXTRA=1, below).
 set -u
 export PYTHONUNBUFFERED=1
 STASH=/tmp/wheels
@@ -31,9 +32,15 @@ if [ ! -f $SITE/.installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE $STASH/*.whl || exit 4
   touch $SITE/.installed
 fi
+# .whl/extra (FlashAttention-4 and quack-kernels, for the benchmarks' BF16 baseline) goes into a site of its own,
+# on the path only where EXTRA=1: the GPU tests run on exactly what a fresh install resolves.
+if [ -d .whl/extra ] && [ ! -f /tmp/site-extra/.installed ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-extra .whl/extra/*.whl || exit 4
+  touch /tmp/site-extra/.installed
+fi
 rm -rf /tmp/project
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/project . || exit 5
-export PYTHONPATH=/tmp/project:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages
+export PYTHONPATH=/tmp/project:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${EXTRA:+:/tmp/site-extra}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv
 PYTEST="python3 -m pytest -q -p no:cacheprovider --timeout=120 -rfEs"
 for stage in ${STAGES:-none}; do
