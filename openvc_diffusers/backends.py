@@ -5,6 +5,7 @@ All take and return diffusers' ``(B, S, H, D)`` layout.
 
 import functools
 import importlib.util
+import json
 
 import torch
 from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry, dispatch_attention_fn
@@ -63,15 +64,16 @@ def run_sdpa(q, k, v, attn_mask=None, attention_backend=None) -> torch.Tensor:
 
 # torch.compile runs this while tracing and keeps the answer: traced with dynamic=True, the config's floats
 # (repair_ratio) would become symbolic inputs, which the kernel's argument checks (math.isfinite) cannot take.
-# (A tuple of pairs: a dict result would be guarded on, which its constant source cannot be.)
+# It takes the options as text, which torch.compile passes as a constant (the frozen config itself it cannot pass
+# with torch 2.11), and returns a tuple of pairs (a dict result would be guarded on, which its source cannot be).
 @torch.compiler.assume_constant_result
-def _kernel_option_items(config) -> tuple:
-    return tuple(config.kernel_options.items())
+def _kernel_option_items(text: str) -> tuple:
+    return tuple(json.loads(text).items())
 
 
 def kernel_options(config) -> dict:
-    """``config.kernel_options``, constants of a frozen config."""
-    return dict(_kernel_option_items(config))
+    """``config.kernel_options``, as constants."""
+    return dict(_kernel_option_items(config.kernel_options_text))
 
 
 def run_reference(q, k, v, config) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import os
 import re
@@ -68,6 +69,9 @@ class OpenVCConfig:
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)
+        # The kernel options as text, for backends.kernel_options: torch.compile hands a str to a constant lookup as
+        # it is, where it cannot pass this frozen dataclass (torch 2.11) and turns floats read from it symbolic.
+        object.__setattr__(self, "kernel_options_text", json.dumps(self.kernel_options))
 
     @property
     def kernel_options(self) -> dict[str, Any]:
