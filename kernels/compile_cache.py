@@ -13,6 +13,7 @@ import importlib.metadata
 import logging
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -32,17 +33,25 @@ def cache_dir() -> Path:
 
 @functools.cache
 def _build_digest() -> str:
-    """What a compiled kernel depends on besides its variant: DSL version, target, every source file here."""
+    """What a compiled kernel depends on besides its variant: DSL version and CUDA flavor (the DSL loads the newest
+    the driver supports, so one cache folder can see both), target, every source file here."""
     try:
         dsl_version = importlib.metadata.version("nvidia-cutlass-dsl")
     except importlib.metadata.PackageNotFoundError:
         dsl_version = "unknown"
-    digest = hashlib.sha256(f"{dsl_version} {ARCH}".encode())
+    digest = hashlib.sha256(f"{dsl_version} {dsl_flavor()} {ARCH}".encode())
     root = Path(__file__).parent
     for path in sorted(root.rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def dsl_flavor() -> str:
+    """The file name of the DSL extension module that loaded (one per CUDA flavor, e.g. ``_cutlass_ir.cu13...so``)."""
+    import cutlass  # noqa: F401  (loads the flavor's module)
+
+    return Path(sys.modules["cutlass._mlir._mlir_libs._cutlass_ir"].__file__).name
 
 
 def kernel_path(name: str) -> Path:

@@ -7,20 +7,13 @@ notes/device_run.sh's `flavor` stage runs it with the DSL's CUDA 13 flavor and w
 """
 
 import statistics
-import sys
 import time
 
 import torch
 
 import openvc_kernels
+from openvc_kernels.compile_cache import dsl_flavor
 from openvc_kernels.ops import sm_count
-
-
-def dsl_flavor() -> str:
-    import cutlass  # noqa: F401  (loads the flavor's extension module)
-
-    module = sys.modules["cutlass._mlir._mlir_libs._cutlass_ir"]
-    return module.__file__.rsplit("/", 1)[-1]
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -102,3 +102,17 @@ def test_a_failed_compile_names_its_first_line_and_the_fix(cache):
     assert message.startswith(f"the FP8 kernel {NAME} failed to compile: RuntimeError: error[PTXAS]: unsupported")
     assert "long compiler log" not in message and support.REINSTALL in message
     assert isinstance(raised.value.__cause__, RuntimeError)  # the whole error stays chained
+
+
+def test_the_cache_names_the_dsl_flavor(cache, monkeypatch):
+    # The DSL loads the newest CUDA flavor the driver supports: a folder shared by two machines (or a driver
+    # upgrade) must not hand one flavor's object file to the other.
+    assert compile_cache.dsl_flavor().startswith("_cutlass_ir.cu")
+    compile_cache._build_digest.cache_clear()
+    before = compile_cache.kernel_path(NAME)
+    monkeypatch.setattr(compile_cache, "dsl_flavor", lambda: "_cutlass_ir.cu99.so")
+    compile_cache._build_digest.cache_clear()
+    try:
+        assert compile_cache.kernel_path(NAME) != before
+    finally:
+        compile_cache._build_digest.cache_clear()
