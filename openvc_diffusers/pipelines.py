@@ -4,9 +4,11 @@ random Wan built in code, with the command-line arguments the scripts share."""
 import argparse
 import os
 
+import diffusers
 import torch
 from diffusers import DiffusionPipeline
 from huggingface_hub.errors import HFValidationError
+from packaging.version import Version
 
 from . import cli
 from .apply import apply, pipeline_transformers
@@ -22,6 +24,11 @@ _MODEL_HINT = (
     "--model takes a Hugging Face hub id or a local folder holding a diffusers pipeline "
     "(model_index.json and a subfolder per component)."
 )
+
+
+# from_pretrained's dtype argument: diffusers 0.42 named it `dtype` (`torch_dtype` deprecated); before, `dtype` was
+# ignored and the weights loaded in float32.
+DTYPE_KEYWORD = "dtype" if Version(diffusers.__version__) >= Version("0.42") else "torch_dtype"
 
 
 class ModelNotAvailableError(Exception):
@@ -138,7 +145,7 @@ def load_pipeline(model: str | None = None, device: str | torch.device = "cpu") 
     if model is None:
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
         return tiny_wan_pipeline(dtype=dtype, device=device)
-    return DiffusionPipeline.from_pretrained(_local_folder(model), dtype=torch.bfloat16).to(device)
+    return DiffusionPipeline.from_pretrained(_local_folder(model), **{DTYPE_KEYWORD: torch.bfloat16}).to(device)
 
 
 def _local_folder(model: str) -> str:
