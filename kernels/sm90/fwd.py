@@ -39,6 +39,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ..quant import BLOCK
 from ..support import HEAD_DIM
 from . import pieces, softmax
+from .ptx import mul_rn
 from .barriers import NamedBarrier
 from .config import ForwardConfig
 from .layout import PV_N
@@ -439,7 +440,7 @@ class ExpCastAttentionSm90:
         acc_o.fill(0.0)
         gemms = Gemms(tiled_mma_qk, tiled_mma_pv, frag_q, frag_k, frag_v, frag_p, acc_s, acc_pv)
         key_coords = softmax.rows_view(thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
-        rows = self.softmax_class(acc_s, key_coords, softmax.mul_rn(codes_per_score, d_q[m_block]))
+        rows = self.softmax_class(acc_s, key_coords, mul_rn(codes_per_score, d_q[m_block]))
         last_tile = steps.n_k - 1
         keys = Keys(d_k, d_k_repair, last_tile, seqlen_k - last_tile * TILE_N)
 

@@ -44,7 +44,7 @@ from ..quant import (
     repair_count,
     softmax_scale_or_default,
 )
-from .softmax import mul_rn
+from .ptx import mul_rn
 from .layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS, PV_N, Prepared, write_repair_rows
 from .target import default_to_sm90, row_major_fake as _row_major_fake
 
