@@ -19,18 +19,8 @@ import torch
 
 from .expcast import CODES_PER_NAT, anchored_encode, code_anchor, expcast_decode
 from .forward_only import forward_only
-from .quant import (
-    BLOCK,
-    choose_repair_tokens,
-    gather_tokens,
-    num_blocks,
-    quantize_inputs,
-    quantize_repair_rows,
-    repair_count,
-    residual_energy,
-    softmax_scale_or_default,
-    v_residual,
-)
+from .quant import BLOCK, num_blocks, quantize_inputs, softmax_scale_or_default
+from .repair import gather_tokens, rank_repair_tokens, repair_count, repair_descales, repair_values
 from .split import merge_pieces, piece_steps, plan_tail_split
 from .validation import check_attention_args
 from .wgmma import PV_PROMOTE_EVERY, wgmma_e4m3_dot
@@ -180,7 +170,7 @@ def reference_attention(
     ``softmax_scale`` defaults to ``1 / sqrt(D)``; ``repair_ratio`` is rho of V residual repair (0 = off);
     ``window`` is the mid-window traversal's look-ahead in tiles (``None`` = plain order); ``smooth_k``
     subtracts each head's per-channel mean of K before quantizing (``quant.smooth_keys``);
-    ``repair_ranking`` orders repair candidates by residual energy times ``quant.attention_mass``
+    ``repair_ranking`` orders repair candidates by residual energy times ``repair.attention_mass``
     ("attention") or by residual energy alone ("energy"); ``accumulation="wgmma"`` adds up Q8 . K8 and P . V8
     (numerator and denominator) as the Hopper kernel's FP8 wgmma does (``wgmma.py``: 14 significant bits, cut
     toward zero; P V summed over ``PV_PROMOTE_EVERY`` tiles before each FP32 add), "exact" in FP32.
@@ -220,13 +210,14 @@ def _simulate(q, k, v, *, softmax_scale, repair_ratio, window, smooth_k, repair_
     repair = [None] * 3
     count = repair_count(s_k, repair_ratio)
     if count > 0:
-        residual = v_residual(v.transpose(1, 2), v8, d_v)
-        tokens = choose_repair_tokens(residual_energy(residual), count, q, k, ranking=repair_ranking, softmax_scale=tau)
-        v_repair = quantize_repair_rows(gather_tokens(residual, tokens), d_v).float().reshape(pairs, count, dim)
+        # The repair keys of the preparation (``preparation.prepare_reference``), in tiles.
+        tokens = rank_repair_tokens(q, k, v, v8, d_v, count, ranking=repair_ranking, softmax_scale=tau)
+        v8_rows = gather_tokens(v8.view(torch.uint8), tokens).view(v8.dtype)  # torch gathers no FP8 on the CPU
+        v_repair = repair_values(v, v8_rows, tokens, d_v).float().reshape(pairs, count, dim)
         n_r = num_blocks(count)
         repair = [
             _tiles(gather_tokens(k8.float(), tokens).reshape(pairs, count, dim), n_r),
-            _tiles(d_k.gather(2, tokens // BLOCK).reshape(pairs, count), n_r),
+            _tiles(repair_descales(d_k, tokens).reshape(pairs, count), n_r),
             _v_operand(_tiles(v_repair, n_r), valid.new_zeros(n_r, BLOCK) if like_wgmma else None),
         ]
     keys = _Keys(

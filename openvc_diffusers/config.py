@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from openvc_kernels.quant import REPAIR_RANKINGS
+from openvc_kernels.repair import REPAIR_RANKINGS
 
 BACKENDS = ("openvc", "fa4", "sdpa")
 
