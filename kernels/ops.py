@@ -11,7 +11,7 @@ import functools
 import torch
 
 from .compile_cache import load_or_compile
-from .expcast import CODES_PER_NAT
+from .expcast import codes_per_dot
 from .sm90.config import ForwardConfig
 from .preparation import Prepared, PrepareOptions
 from .sm90.layout import PV_N
@@ -53,7 +53,7 @@ def compile_attention(config: ForwardConfig, kernel_class: type | None = None):
         piece_sums=row_major_fake(cutlass.Float32, (slots, TILE_M, PV_N), 16),
         piece_anchors=row_major_fake(cutlass.Float32, (slots, TILE_M), 4),
         arrivals=row_major_fake(cutlass.Int32, (split_units, CONSUMER_WGS), 4),
-        codes_per_score=cutlass.Float32(1.0),
+        codes_per_dot=cutlass.Float32(1.0),
         seqlen_k=cutlass.Int32(1),
         window=cutlass.Int32(0),
         repair_tiles=cutlass.Int32(0),
@@ -147,7 +147,7 @@ def forward_args(prepared: Prepared, out: torch.Tensor, *, softmax_scale: float,
         piece_sums=piece_sums,
         piece_anchors=piece_anchors,
         arrivals=arrivals,
-        codes_per_score=float(torch.tensor(softmax_scale * CODES_PER_NAT, dtype=torch.float32)),
+        codes_per_dot=codes_per_dot(softmax_scale),
         seqlen_k=p.seqlen_k,
         window=window or 0,
         repair_tiles=p.repair_tiles,

@@ -13,6 +13,7 @@ import time
 import torch
 
 import openvc_kernels
+from openvc_diffusers.metrics import rel_l2
 from openvc_kernels.ops import sm_count
 
 
@@ -21,10 +22,6 @@ def dsl_flavor() -> str:
 
     module = sys.modules["cutlass._mlir._mlir_libs._cutlass_ir"]
     return module.__file__.rsplit("/", 1)[-1]
-
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def main() -> None:
