@@ -62,10 +62,10 @@ def visiting_order(n_query_tiles: int, n_key_tiles: int, window: int | None = 4)
     return torch.where(down >= 0, down, down + n)
 
 
-def codes_per_score(codes_per_dot: float, d_q: torch.Tensor) -> torch.Tensor:
+def codes_per_score(codes_per_dot: torch.Tensor, d_q: torch.Tensor) -> torch.Tensor:
     """``s``: codes per unit of K-descaled raw score, per query block: ``fp32(codes_per_dot * d_q)``, as the kernel
     forms it from its ``codes_per_dot`` argument (``expcast.codes_per_dot``)."""
-    return torch.tensor(codes_per_dot, dtype=torch.float32) * d_q
+    return codes_per_dot * d_q
 
 
 def _promote(acc: torch.Tensor, l: torch.Tensor, pv: torch.Tensor, pending: torch.Tensor):
