@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from openvc_diffusers import cli
+from openvc_diffusers.metrics import rel_l2
 from openvc_kernels import attention, attention_prepared, prepare
 from openvc_kernels.support import HEAD_DIM
 
@@ -83,11 +84,6 @@ def time_ms(fn, sets, budget_ms: float = TIMED_MS) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in events)
-
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def sampled_exact(q, k, v, rows: torch.Tensor) -> torch.Tensor:

@@ -6,11 +6,12 @@ The PyTorch reference here is the oracle; the Hopper implementation lives in ``s
 from .expcast import expcast_decode, expcast_encode
 from .ops import attention, attention_prepared, prepare
 from .reference import reference_attention, visiting_order
-from .sm90.layout import Prepared, prepare_reference
+from .preparation import Prepared, PrepareOptions, prepare_reference
 from .support import KernelUnavailableError, kernel_unavailable_reason
 
 __all__ = [
     "KernelUnavailableError",
+    "PrepareOptions",
     "Prepared",
     "attention",
     "attention_prepared",

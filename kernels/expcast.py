@@ -28,6 +28,13 @@ CODE_UNIT = 2.0**-24
 the subnormal grid (the RNE of the code) and leaves c as the FP16 word, so its low byte is the E4M3 byte."""
 
 
+def codes_per_dot(softmax_scale: float) -> torch.Tensor:
+    """Codes per unit of the dot product ``q . k``: ``fp32(tau * 8 log2 e)`` (a 0-d tensor, so that the reference
+    traces under torch.compile without a graph break), the kernel's argument; times a query block's descale it is
+    that block's codes per score ``s``."""
+    return torch.tensor(softmax_scale * CODES_PER_NAT, dtype=torch.float32)
+
+
 def expcast_encode(z: torch.Tensor) -> torch.Tensor:
     """E4M3 bytes (uint8) of ``2^z * 256`` by ExpCast: ``clamp(rne(8 z + 119.65), 0, 120)``.
 

@@ -1,7 +1,7 @@
 """Torch entry point of the Hopper ExpCast kernel: preparation, compile cache, custom op.
 
-``attention(q, k, v)`` quantizes and packs with the fused sm90 preparation kernels (``sm90.prep``, byte-identical
-to ``sm90.layout.prepare_reference``) and runs the sm90 forward kernel; the output is bit-for-bit the same on
+``attention(q, k, v)`` quantizes and packs with the fused sm90 preparation kernels (``prep_ops``, byte-identical
+to ``preparation.prepare_reference``) and runs the sm90 forward kernel; the output is bit-for-bit the same on
 repeated calls. ``torch.ops.openvc.attention`` is the registered custom op (with a fake implementation, so
 ``torch.compile`` can trace through it).
 """
@@ -11,9 +11,10 @@ import functools
 import torch
 
 from .compile_cache import load_or_compile
-from .expcast import CODES_PER_NAT
+from .expcast import codes_per_dot
 from .sm90.config import ForwardConfig
-from .sm90.layout import PV_N, Prepared
+from .preparation import Prepared, PrepareOptions
+from .sm90.layout import PV_N
 from .sm90.target import default_to_sm90, row_major_fake
 from .quant import BLOCK, num_blocks, softmax_scale_or_default
 from .split import TailSplit, plan_tail_split
@@ -52,7 +53,7 @@ def compile_attention(config: ForwardConfig, kernel_class: type | None = None):
         piece_sums=row_major_fake(cutlass.Float32, (slots, TILE_M, PV_N), 16),
         piece_anchors=row_major_fake(cutlass.Float32, (slots, TILE_M), 4),
         arrivals=row_major_fake(cutlass.Int32, (split_units, CONSUMER_WGS), 4),
-        codes_per_score=cutlass.Float32(1.0),
+        codes_per_dot=cutlass.Float32(1.0),
         seqlen_k=cutlass.Int32(1),
         window=cutlass.Int32(0),
         repair_tiles=cutlass.Int32(0),
@@ -79,7 +80,7 @@ def prepare(
     softmax_scale: float | None = None,
 ) -> Prepared:
     """Quantize ``(B, S, H, 128)`` q, k, v as ``reference_attention`` does, and pack V for the kernel: the bytes
-    of ``prepare_reference`` from the fused kernels, V residual repair keys included (``sm90.prep.prepare``), on
+    of ``prepare_reference`` from the fused kernels, V residual repair keys included (``prep_ops.prepare``), on
     the current stream. ``softmax_scale`` (default ``1 / sqrt(128)``) weighs the "attention" repair ranking."""
     check_attention_args(
         q, k, v, repair_ratio=repair_ratio, window=None, repair_ranking=repair_ranking, dtypes=KERNEL_DTYPES
@@ -87,12 +88,9 @@ def prepare(
     reason = input_unsupported_reason(q.device, q.dtype, q.shape[-1])
     if reason is not None:
         raise ValueError(reason)
-    from .sm90 import prep
+    from . import prep_ops
 
-    return prep.prepare(
-        q, k, v, smooth_k=smooth_k, repair_ratio=repair_ratio, repair_ranking=repair_ranking,
-        softmax_scale=softmax_scale,
-    )
+    return prep_ops.prepare(q, k, v, PrepareOptions(smooth_k, repair_ratio, repair_ranking, softmax_scale))
 
 
 @functools.cache
@@ -100,9 +98,9 @@ def build_failure(dtype: torch.dtype, *, plain_order: bool, smooth_k: bool, repa
     """Compile (or load) every kernel a call with these options runs; None when they are ready, else the
     ``KernelUnavailableError`` message (cause and fix), so that a caller can fall back instead of failing."""
     try:
-        from .sm90 import prep
+        from . import prep_ops
 
-        prep.load_kernels(dtype, smooth_k=smooth_k, energy=repair)
+        prep_ops.load_kernels(dtype, smooth_k=smooth_k, energy=repair)
         _kernel(ForwardConfig(plain_order=plain_order))
     except KernelUnavailableError as error:
         return str(error)
@@ -149,7 +147,7 @@ def forward_args(prepared: Prepared, out: torch.Tensor, *, softmax_scale: float,
         piece_sums=piece_sums,
         piece_anchors=piece_anchors,
         arrivals=arrivals,
-        codes_per_score=float(torch.tensor(softmax_scale * CODES_PER_NAT, dtype=torch.float32)),
+        codes_per_dot=float(codes_per_dot(softmax_scale)),
         seqlen_k=p.seqlen_k,
         window=window or 0,
         repair_tiles=p.repair_tiles,

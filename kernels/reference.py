@@ -1,7 +1,7 @@
 """Bit-faithful PyTorch simulation of the Open-VC kernel: the oracle for every kernel test.
 
-It follows the kernel step by step, with the kernel's names (``d_q``, ``d_k``, ``d_v``, ``m``, ``anchor``,
-``codes``, ``l``): quantize, then for every 128-row query tile visit the 128-key tiles in mid-window order,
+It follows the kernel step by step, with the kernel's names (table below): quantize, then for every 128-row query
+tile visit the 128-key tiles in mid-window order,
 keep the running max on the K-descaled score, encode each score with ExpCast on an integer-anchored code
 grid, rescale earlier accumulators whenever the anchor moves, sum the decoded codes into both the
 numerator and the denominator, visit V-repair rows last (numerator only), and divide. Query tiles the kernel
@@ -9,6 +9,24 @@ splits (``split.py``, given ``sm_count``) run as its pieces do and merge as it m
 All query tiles advance together (one batched matmul per visiting step), so S = 4096 runs in about a second
 on two CPU cores. Rounding can differ from the kernel only in FP32 accumulation order and in the MUFU
 exponentials of the rescale and the merge, so codes agree except at rare rounding ties.
+
+Names, reference | kernel (``sm90/fwd.py``, ``sm90/softmax.py``, ``ops.py``) | quantity; ``tests/test_vocabulary.py``
+checks that each name is in both sources:
+
+    d_q, d_k, d_v | d_q, d_k, d_v | descales of the Q blocks, K blocks and V heads
+    d_k_repair | d_k_repair | each repair key's K descale (its token's block's)
+    codes_per_dot | codes_per_dot | fp32(tau * 8 log2 e): codes per unit of q . k (``expcast.codes_per_dot``)
+    s | s | codes per K-descaled raw score of a query block: fp32(codes_per_dot * d_q)
+    raw | scores | a tile's raw FP32 scores Q8 . K8
+    m | m | the running max of the K-descaled score raw * d_k
+    anchor | anchor | the row's integer code offset rne(119.65 - s m)
+    alpha | alpha | a tile's rescale of earlier sums, 2^((new anchor - anchor) LOG2_PER_CODE)
+    pv | acc_pv | the PV wgmma's sum since the last promotion (numerator, denominator last)
+    pending | pending | the anchor moves not yet applied to the FP32 sums
+    acc, l | acc_o, l_column | the FP32 numerator and denominator (column 128 of acc_o in the kernel)
+    promote_every | promote_every | key tiles per PV chain (``ForwardConfig.promote_every``)
+    steps | visit, first, n_real | a CTA's visiting steps: range(first, first + n_real)
+    order | tile_at | the key tile each step visits (mid-window or plain)
 """
 
 import functools
@@ -17,20 +35,10 @@ from typing import NamedTuple
 
 import torch
 
-from .expcast import CODES_PER_NAT, anchored_encode, code_anchor, expcast_decode
+from .expcast import LOG2_PER_CODE, anchored_encode, code_anchor, codes_per_dot, expcast_decode
 from .forward_only import forward_only
-from .quant import (
-    BLOCK,
-    choose_repair_tokens,
-    gather_tokens,
-    num_blocks,
-    quantize_inputs,
-    quantize_repair_rows,
-    repair_count,
-    residual_energy,
-    softmax_scale_or_default,
-    v_residual,
-)
+from .quant import BLOCK, num_blocks, quantize_inputs, softmax_scale_or_default
+from .repair import gather_tokens, rank_repair_tokens, repair_count, repair_descales, repair_values
 from .split import merge_pieces, piece_steps, plan_tail_split
 from .validation import check_attention_args
 from .wgmma import PV_PROMOTE_EVERY, wgmma_e4m3_dot
@@ -54,9 +62,10 @@ def visiting_order(n_query_tiles: int, n_key_tiles: int, window: int | None = 4)
     return torch.where(down >= 0, down, down + n)
 
 
-def codes_per_score(softmax_scale: float, d_q: torch.Tensor) -> torch.Tensor:
-    """``s``: codes per unit of K-descaled raw score, per query block: ``fp32(fp32(tau * 8 log2 e) * d_q)``."""
-    return torch.tensor(softmax_scale * CODES_PER_NAT, dtype=torch.float32) * d_q
+def codes_per_score(codes_per_dot: torch.Tensor, d_q: torch.Tensor) -> torch.Tensor:
+    """``s``: codes per unit of K-descaled raw score, per query block: ``fp32(codes_per_dot * d_q)``, as the kernel
+    forms it from its ``codes_per_dot`` argument (``expcast.codes_per_dot``)."""
+    return codes_per_dot * d_q
 
 
 def _promote(acc: torch.Tensor, l: torch.Tensor, pv: torch.Tensor, pending: torch.Tensor):
@@ -73,16 +82,16 @@ class _Keys(NamedTuple):
     """The keys of every (batch, head) pair ``bh = batch * heads + head``, as the kernel reads them: E4M3 values
     in FP32, 128-key tiles. ``v`` holds ``(bh, tile, D, 128)`` V^T, with a ones row (the denominator) for every
     real key when summing like the wgmma, else ``(bh, tile, 128, D)``. The repair tiles (``None`` without repair)
-    follow the real ones, zero keys padding the last: ``repair_k`` (bh, tile, 128, D), ``repair_d_k`` (bh, tile,
-    128: each key keeps its own block's descale), ``repair_v`` laid out as ``v`` with 0 in the ones row."""
+    follow the real ones, zero keys padding the last: ``k_repair`` (bh, tile, 128, D), ``d_k_repair`` (bh, tile,
+    128: each key keeps its own block's descale), ``v_repair`` laid out as ``v`` with 0 in the ones row."""
 
     k: torch.Tensor
     d_k: torch.Tensor
     v: torch.Tensor
     valid: torch.Tensor
-    repair_k: torch.Tensor | None
-    repair_d_k: torch.Tensor | None
-    repair_v: torch.Tensor | None
+    k_repair: torch.Tensor | None
+    d_k_repair: torch.Tensor | None
+    v_repair: torch.Tensor | None
 
 
 def _tiles(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -108,6 +117,7 @@ def _visit(
     steps: range,
     keys: _Keys,
     like_wgmma: bool,
+    promote_every: int,
     repair: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's loop for units (query tiles) ``q`` (u, 128, D) with codes per score ``s`` (u, 1) and key
@@ -129,11 +139,11 @@ def _visit(
         m = torch.maximum(m, raw.amax(dim=-1) * d_k_tile)
         new_anchor = code_anchor(m, s)
         if anchor is not None:
-            alpha = torch.exp2((new_anchor - anchor) * 0.125)
+            alpha = torch.exp2((new_anchor - anchor) * LOG2_PER_CODE)
             if like_wgmma:
                 pv *= alpha[..., None]
                 pending *= alpha
-                if j % PV_PROMOTE_EVERY == 0:
+                if j % promote_every == 0:
                     acc, l, pending = _promote(acc, l, pv, pending)
                     pv = None
             else:
@@ -146,17 +156,17 @@ def _visit(
         else:
             acc += p @ keys.v[bh, tile]
             l += p.sum(dim=-1)
-    for j in range(keys.repair_k.shape[1] if repair else 0):
+    for j in range(keys.k_repair.shape[1] if repair else 0):
         # Each repair tile is one more step of the PV chain; zero keys pad the last (zero V adds nothing).
-        if like_wgmma and (len(steps) + j) % PV_PROMOTE_EVERY == 0:
+        if like_wgmma and (len(steps) + j) % promote_every == 0:
             acc, l, pending = _promote(acc, l, pv, pending)
             pv = None
-        raw = dot(q, keys.repair_k[bh, j])
-        p = expcast_decode(anchored_encode(raw, s[..., None] * keys.repair_d_k[bh, j][:, None, :], anchor[..., None]))
+        raw = dot(q, keys.k_repair[bh, j])
+        p = expcast_decode(anchored_encode(raw, s[..., None] * keys.d_k_repair[bh, j][:, None, :], anchor[..., None]))
         if like_wgmma:
-            pv = wgmma_e4m3_dot(p, keys.repair_v[bh, j], pv)
+            pv = wgmma_e4m3_dot(p, keys.v_repair[bh, j], pv)
         else:
-            acc += p @ keys.repair_v[bh, j]
+            acc += p @ keys.v_repair[bh, j]
     if like_wgmma:
         acc, l, _ = _promote(acc, l, pv, pending)
     return acc, l, anchor
@@ -174,16 +184,18 @@ def reference_attention(
     repair_ranking: str = "energy",
     accumulation: str = "exact",
     sm_count: int | None = None,
+    promote_every: int = PV_PROMOTE_EVERY,
 ) -> torch.Tensor:
     """Open-VC attention on ``(B, S, H, D)`` inputs (fp16, bf16 or fp32), BF16 output ``(B, S_q, H, D)``.
 
     ``softmax_scale`` defaults to ``1 / sqrt(D)``; ``repair_ratio`` is rho of V residual repair (0 = off);
     ``window`` is the mid-window traversal's look-ahead in tiles (``None`` = plain order); ``smooth_k``
     subtracts each head's per-channel mean of K before quantizing (``quant.smooth_keys``);
-    ``repair_ranking`` orders repair candidates by residual energy times ``quant.attention_mass``
+    ``repair_ranking`` orders repair candidates by residual energy times ``repair.attention_mass``
     ("attention") or by residual energy alone ("energy"); ``accumulation="wgmma"`` adds up Q8 . K8 and P . V8
     (numerator and denominator) as the Hopper kernel's FP8 wgmma does (``wgmma.py``: 14 significant bits, cut
-    toward zero; P V summed over ``PV_PROMOTE_EVERY`` tiles before each FP32 add), "exact" in FP32.
+    toward zero; P V summed over ``promote_every`` tiles before each FP32 add, as ``ForwardConfig.promote_every``
+    of the kernel it follows), "exact" in FP32.
     ``sm_count``: the SMs of the GPU the kernel runs on, whose last wave of query tiles it splits
     (``split.py``); None: no split. Forward-only: a backward through the output raises (``forward_only``).
     """
@@ -192,6 +204,8 @@ def reference_attention(
         raise ValueError(f"accumulation must be one of {', '.join(map(repr, ACCUMULATIONS))}, got {accumulation!r}")
     if sm_count is not None and (isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1):
         raise ValueError(f"sm_count must be a positive int or None (no split), got {sm_count!r}")
+    if isinstance(promote_every, bool) or not isinstance(promote_every, int) or promote_every < 1:
+        raise ValueError(f"promote_every must be a positive int, got {promote_every!r}")
     simulate = functools.partial(
         _simulate,
         softmax_scale=softmax_scale,
@@ -201,11 +215,14 @@ def reference_attention(
         repair_ranking=repair_ranking,
         like_wgmma=accumulation == "wgmma",
         sm_count=sm_count,
+        promote_every=promote_every,
     )
     return forward_only(simulate, q, k, v)
 
 
-def _simulate(q, k, v, *, softmax_scale, repair_ratio, window, smooth_k, repair_ranking, like_wgmma, sm_count):
+def _simulate(
+    q, k, v, *, softmax_scale, repair_ratio, window, smooth_k, repair_ranking, like_wgmma, sm_count, promote_every
+):
     """``reference_attention`` on checked arguments."""
     batch, s_q, heads, dim = q.shape
     s_k = k.shape[1]
@@ -220,14 +237,15 @@ def _simulate(q, k, v, *, softmax_scale, repair_ratio, window, smooth_k, repair_
     repair = [None] * 3
     count = repair_count(s_k, repair_ratio)
     if count > 0:
-        residual = v_residual(v.transpose(1, 2), v8, d_v)
-        tokens = choose_repair_tokens(residual_energy(residual), count, q, k, ranking=repair_ranking, softmax_scale=tau)
-        v_repair = quantize_repair_rows(gather_tokens(residual, tokens), d_v).float().reshape(pairs, count, dim)
+        # The repair keys of the preparation (``preparation.prepare_reference``), in tiles.
+        tokens = rank_repair_tokens(q, k, v, v8, d_v, count, ranking=repair_ranking, softmax_scale=tau)
+        v8_rows = gather_tokens(v8.view(torch.uint8), tokens).view(v8.dtype)  # torch gathers no FP8 on the CPU
+        v_rows = repair_values(v, v8_rows, tokens, d_v).float().reshape(pairs, count, dim)
         n_r = num_blocks(count)
         repair = [
             _tiles(gather_tokens(k8.float(), tokens).reshape(pairs, count, dim), n_r),
-            _tiles(d_k.gather(2, tokens // BLOCK).reshape(pairs, count), n_r),
-            _v_operand(_tiles(v_repair, n_r), valid.new_zeros(n_r, BLOCK) if like_wgmma else None),
+            _tiles(repair_descales(d_k, tokens).reshape(pairs, count), n_r),
+            _v_operand(_tiles(v_rows, n_r), valid.new_zeros(n_r, BLOCK) if like_wgmma else None),
         ]
     keys = _Keys(
         k8.float().view(pairs, n_k, BLOCK, dim),
@@ -240,18 +258,17 @@ def _simulate(q, k, v, *, softmax_scale, repair_ratio, window, smooth_k, repair_
     # One unit per query tile of each (batch, head), in the kernel's launch order.
     units = pairs * n_q
     q_units = q8.float().reshape(units, BLOCK, dim)
-    s = codes_per_score(tau, d_q).reshape(units, 1)
+    s = codes_per_score(codes_per_dot(tau), d_q).reshape(units, 1)
     bh = torch.arange(units, device=q.device) // n_q
     order = visiting_order(n_q, n_k, window).to(q.device).repeat(pairs, 1)
     plan = plan_tail_split(units, n_k, sm_count, repair=count > 0)
     whole = slice(0, plan.whole_units)
-    acc, l, _ = _visit(q_units[whole], s[whole], bh[whole], order[whole], range(n_k), keys, like_wgmma, count > 0)
+    visit = functools.partial(_visit, keys=keys, like_wgmma=like_wgmma, promote_every=promote_every)
+    acc, l, _ = visit(q_units[whole], s[whole], bh[whole], order[whole], range(n_k), repair=count > 0)
     if plan.splits > 1:
         tail = slice(plan.whole_units, units)
         tail_units = (q_units[tail], s[tail], bh[tail], order[tail])
-        pieces = [
-            _visit(*tail_units, piece_steps(p, plan.splits, n_k), keys, like_wgmma, False) for p in range(plan.splits)
-        ]
+        pieces = [visit(*tail_units, piece_steps(p, plan.splits, n_k), repair=False) for p in range(plan.splits)]
         acc_tail, l_tail = merge_pieces(pieces)
         acc, l = torch.cat([acc, acc_tail]), torch.cat([l, l_tail])
 

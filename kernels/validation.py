@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .quant import REPAIR_RANKINGS
+from .repair import REPAIR_RANKINGS
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """What the reference takes (the kernel: fp16 and bf16)."""

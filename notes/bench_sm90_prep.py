@@ -10,20 +10,17 @@ import json
 
 import torch
 
-from openvc_kernels.quant import (
-    BLOCK,
+from openvc_kernels import prep_ops as prep
+from openvc_kernels.preparation import PrepareOptions, write_repair_rows
+from openvc_kernels.quant import BLOCK, channel_mean, num_blocks, quantize_per_block, quantize_per_head
+from openvc_kernels.repair import (
     MASS_SAMPLE_ROWS,
     attention_mass,
-    channel_mean,
     choose_repair_tokens,
-    num_blocks,
-    quantize_per_block,
-    quantize_per_head,
     repair_count,
     select_repair_tokens,
 )
-from openvc_kernels.sm90 import prep
-from openvc_kernels.sm90.layout import PV_N, pack_v, write_repair_rows
+from openvc_kernels.sm90.layout import PV_N, pack_v
 
 BATCH, SEQ_LEN, HEADS, HEAD_DIM = 1, 75_600, 40, 128
 ITERS = 20
@@ -64,7 +61,7 @@ def main() -> None:
     mean_k = channel_mean(k.transpose(1, 2)).squeeze(2)
     count = repair_count(SEQ_LEN, REPAIR_RATIO)
     tokens = choose_repair_tokens(energy.normal_(), count, q, k, ranking="energy", softmax_scale=TAU)
-    repaired = prep.prepare(q, k, v, repair_ratio=REPAIR_RATIO)
+    repaired = prep.prepare(q, k, v, PrepareOptions(repair_ratio=REPAIR_RATIO))
     kernels = {
         "copy (torch, one input)": (lambda: copy_dst.copy_(q), 2 * x_bytes),
         "quantize_per_block (Q)": (
@@ -92,11 +89,13 @@ def main() -> None:
         ),
         "repair: top-k (torch)": (lambda: select_repair_tokens(energy, count), energy.numel() * 4),
         "repair: write_repair_rows": (lambda: write_repair_rows(repaired, v, tokens), 0),
-        "prepare, rho=0.005 energy ranking": (lambda: prep.prepare(q, k, v, repair_ratio=REPAIR_RATIO,
-                                                                   repair_ranking="energy"), 0),
-        "prepare, rho=0.005 attention ranking": (lambda: prep.prepare(q, k, v, repair_ratio=REPAIR_RATIO,
-                                                                      repair_ranking="attention"), 0),
-        "prepare, smooth_k": (lambda: prep.prepare(q, k, v, smooth_k=True), 0),
+        "prepare, rho=0.005 energy ranking": (
+            lambda: prep.prepare(q, k, v, PrepareOptions(repair_ratio=REPAIR_RATIO, repair_ranking="energy")), 0
+        ),
+        "prepare, rho=0.005 attention ranking": (
+            lambda: prep.prepare(q, k, v, PrepareOptions(repair_ratio=REPAIR_RATIO, repair_ranking="attention")), 0
+        ),
+        "prepare, smooth_k": (lambda: prep.prepare(q, k, v, PrepareOptions(smooth_k=True)), 0),
     }
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

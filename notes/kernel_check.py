@@ -12,12 +12,9 @@ import time
 import torch
 
 import openvc_kernels
+from openvc_diffusers.metrics import rel_l2
 from openvc_kernels.compile_cache import dsl_flavor
 from openvc_kernels.ops import sm_count
-
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from openvc_kernels.expcast import CODE_UNIT
 from openvc_kernels.ops import compile_attention, forward_args
-from openvc_kernels.sm90 import softmax
+from openvc_kernels.sm90 import ptx, softmax
 from openvc_kernels.sm90.config import ForwardConfig
 from openvc_kernels.sm90.fwd import ExpCastAttentionSm90
 
@@ -48,9 +48,9 @@ def fill_pv_operand(frag_p: cute.Tensor, words: cute.Tensor, word_at):
 
 
 def magic_word(words: cute.Tensor, r: int, c: int):
-    first = softmax.byte_perm(words[2 * r + 4 * c], words[1 + 2 * r + 4 * c], LOW_BYTES)
-    second = softmax.byte_perm(words[2 * r + 4 * (c + 1)], words[1 + 2 * r + 4 * (c + 1)], LOW_BYTES)
-    return softmax.byte_perm(first, second, HALVES)
+    first = ptx.byte_perm(words[2 * r + 4 * c], words[1 + 2 * r + 4 * c], LOW_BYTES)
+    second = ptx.byte_perm(words[2 * r + 4 * (c + 1)], words[1 + 2 * r + 4 * (c + 1)], LOW_BYTES)
+    return ptx.byte_perm(first, second, HALVES)
 
 
 class ClipAndPermute(softmax.ExpCastSoftmax):
@@ -72,14 +72,14 @@ class ClipAndPermute(softmax.ExpCastSoftmax):
 
 @dsl_user_op
 def pack_f16_relu_in_f32(high: Float32, low: Float32, *, loc=None, ip=None) -> Float32:
-    """``softmax.pack_codes_f16`` whose word stays in an FP32 register (the score's), for packing later."""
+    """``ptx.pack_codes_f16`` whose word stays in an FP32 register (the score's), for packing later."""
     operands = [Float32(high).ir_value(loc=loc, ip=ip), Float32(low).ir_value(loc=loc, ip=ip)]
     instruction = "{ .reg .b32 w; cvt.rn.relu.f16x2.f32 w, $1, $2; mov.b32 $0, w; }"
-    return Float32(softmax.ptx(T.f32(), operands, instruction, "=f,f,f"))
+    return Float32(ptx.ptx(T.f32(), operands, instruction, "=f,f,f"))
 
 
 def converted_word(words: cute.Tensor, r: int, c: int):
-    return softmax.byte_perm(words[2 * r + 4 * c], words[2 * r + 4 * (c + 1)], softmax.HALF_LOW_BYTES)
+    return ptx.byte_perm(words[2 * r + 4 * c], words[2 * r + 4 * (c + 1)], softmax.HALF_LOW_BYTES)
 
 
 class ConvertEarly(softmax.ExpCastSoftmax):

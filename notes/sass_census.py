@@ -24,7 +24,7 @@ FORWARD = (
     "from openvc_kernels.ops import compile_attention; from openvc_kernels.sm90.config import ForwardConfig; "
     "compile_attention(ForwardConfig(plain_order={plain}))"
 )
-PREP = "import torch; from openvc_kernels.sm90.prep import compile_prep; compile_prep({kind!r}, torch.{dtype})"
+PREP = "import torch; from openvc_kernels.prep_ops import compile_prep; compile_prep({kind!r}, torch.{dtype})"
 PREP_KINDS = ("quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy")
 KERNELS = {
     "fwd_window": FORWARD.format(plain=False),

@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from openvc_kernels.quant import REPAIR_RANKINGS
+from openvc_kernels.repair import REPAIR_RANKINGS
+from openvc_kernels.validation import MAX_REPAIR_RATIO
 
 BACKENDS = ("openvc", "fa4", "sdpa")
 
@@ -185,8 +186,8 @@ def _bool(key: str, value: Any) -> bool:
 
 def _ratio(key: str, value: Any) -> float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or not 0 <= value <= 0.5:
-        _fail(key, value, "a finite number in [0, 0.5]")
+    if not ok or not math.isfinite(value) or not 0 <= value <= MAX_REPAIR_RATIO:
+        _fail(key, value, f"a finite number in [0, {MAX_REPAIR_RATIO}]")
     return float(value)
 
 

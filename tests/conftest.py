@@ -3,12 +3,6 @@ import os
 import pytest
 import torch
 
-from openvc_diffusers.metrics import rel_l2  # noqa: F401  (tests import it from here)
-
-needs_hopper = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs a Hopper GPU"
-)
-
 
 @pytest.fixture
 def fresh_seed() -> int:
@@ -36,9 +30,3 @@ def fresh_dynamo():
     torch._dynamo.utils.counters.clear()
     yield
     torch._dynamo.reset()
-
-
-def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Float64 softmax attention on (B, S, H, D)."""
-    q, k, v = (x.double().transpose(1, 2) for x in (q, k, v))
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from conftest import rel_l2
+from openvc_diffusers.metrics import rel_l2
 from diffusers import FluxTransformer2DModel
 from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry, attention_backend
 from test_families import build, forward

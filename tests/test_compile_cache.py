@@ -5,8 +5,7 @@ import logging
 import pytest
 import torch
 
-from openvc_kernels import compile_cache, support
-from openvc_kernels.sm90 import prep
+from openvc_kernels import compile_cache, prep_ops, support
 
 NAME = "prep_absmax_per_head_bfloat16"
 
@@ -20,7 +19,7 @@ def cache(tmp_path, monkeypatch):
 
 def _compile():
     _compile.calls += 1
-    return prep.compile_prep("absmax_per_head", torch.bfloat16)
+    return prep_ops.compile_prep("absmax_per_head", torch.bfloat16)
 
 
 def _must_not_compile():

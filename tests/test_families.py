@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from conftest import rel_l2
+from openvc_diffusers.metrics import rel_l2
 from diffusers import (
     CogVideoXTransformer3DModel,
     HunyuanVideo15Transformer3DModel,

@@ -10,7 +10,7 @@ bit; compiled the way diffusers tests attention backends (``compile_repeated_blo
 
 import pytest
 import torch
-from conftest import needs_hopper
+from helpers import needs_hopper
 from diffusers import WanTransformer3DModel
 from diffusers.models.attention_dispatch import attention_backend
 from torch._dynamo.testing import CompileCounterWithBackend

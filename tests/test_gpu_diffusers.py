@@ -7,7 +7,7 @@ The transformer is Wan-shaped and small: 2 layers of 4 heads x 128, bfloat16 as 
 
 import pytest
 import torch
-from conftest import needs_hopper
+from helpers import needs_hopper
 from diffusers import WanTransformer3DModel
 from torch._dynamo.testing import CompileCounterWithBackend
 

@@ -7,7 +7,8 @@ import logging
 
 import pytest
 import torch
-from conftest import exact_attention, rel_l2
+from helpers import exact_attention
+from openvc_diffusers.metrics import rel_l2
 
 import openvc_diffusers
 import openvc_kernels

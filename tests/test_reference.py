@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 import torch
-from conftest import exact_attention, rel_l2
+from helpers import exact_attention
+from openvc_diffusers.metrics import rel_l2
 
 from openvc_kernels import reference_attention, visiting_order
 from openvc_kernels.quant import FP8_MAX, quantize_per_block, quantize_per_head

@@ -1,19 +1,13 @@
-"""The repair keys of the preparation (``layout.write_repair_rows``) hold exactly the reference's choices, packed as
+"""The repair keys of the preparation (``preparation.write_repair_rows``) hold exactly the reference's choices, packed as
 the kernel reads them (no GPU: on the PyTorch preparation)."""
 
 import pytest
 import torch
 
-from openvc_kernels.quant import (
-    BLOCK,
-    choose_repair_tokens,
-    gather_tokens,
-    quantize_per_head,
-    quantize_repair_rows,
-    residual_energy,
-    v_residual,
-)
-from openvc_kernels.sm90.layout import CHUNK, E4M3_ONE, HEAD_DIM, chunk_key, pack_v, packed_position, prepare_reference
+from openvc_kernels.preparation import PrepareOptions, prepare_reference
+from openvc_kernels.quant import BLOCK, quantize_per_head
+from openvc_kernels.repair import choose_repair_tokens, gather_tokens, quantize_repair_rows, residual_energy, v_residual
+from openvc_kernels.sm90.layout import CHUNK, E4M3_ONE, HEAD_DIM, chunk_key, pack_v, packed_position
 
 
 def test_packed_position_inverts_chunk_key():
@@ -27,7 +21,7 @@ def test_repair_keys_follow_the_reference_choice(fresh_seed, ranking):
     q, k, v = (torch.randn(2, 700, 3, HEAD_DIM) for _ in range(3))
     v[:, ::97] *= 30  # a few tokens with large residuals
     prepared = prepare_reference(q, k, v)
-    repaired = prepare_reference(q, k, v, repair_ratio=0.2, repair_ranking=ranking, softmax_scale=0.1)
+    repaired = prepare_reference(q, k, v, PrepareOptions(repair_ratio=0.2, repair_ranking=ranking, softmax_scale=0.1))
 
     count, s_pad = 140, prepared.k8.shape[2]  # round(0.2 * 700) repair keys, after the 768 padded real ones
     v_heads = v.transpose(1, 2)
@@ -54,7 +48,7 @@ def test_repair_keys_follow_the_reference_choice(fresh_seed, ranking):
 
 def test_no_repair_keys_at_ratio_zero():
     q = torch.randn(1, 300, 2, HEAD_DIM)
-    prepared = prepare_reference(q, q, q, repair_ratio=0.0)
+    prepared = prepare_reference(q, q, q, PrepareOptions(repair_ratio=0.0))
     assert prepared.repair_tiles == 0 and prepared.k8.shape[2] == prepared.v_packed.shape[3] == 3 * BLOCK
 
 

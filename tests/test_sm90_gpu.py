@@ -7,7 +7,7 @@ from openvc_kernels import compile_cache
 from openvc_kernels.ops import attention, attention_prepared, prepare, sm_count
 from openvc_kernels.quant import num_blocks
 from openvc_kernels.split import plan_tail_split
-from openvc_kernels.sm90.layout import Prepared, prepare_reference
+from openvc_kernels.preparation import Prepared, prepare_reference
 from openvc_kernels.reference import reference_attention
 
 pytestmark = [

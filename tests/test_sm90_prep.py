@@ -1,5 +1,5 @@
 """The sm90 preparation kernels: compile for sm_90a on any machine (CPU part), and on a Hopper GPU give
-byte-identical results to the PyTorch quantization and packing (``quant``, ``layout.pack_v``)."""
+byte-identical results to the PyTorch quantization and packing (``quant``, ``layout.pack_v``, ``preparation``)."""
 
 import itertools
 import json
@@ -10,14 +10,17 @@ import sys
 import pytest
 import torch
 
-from openvc_kernels.quant import BLOCK, attention_mass, quantize_per_head, residual_energy, v_residual
-from openvc_kernels.sm90.layout import CHUNK, KEY_PERMUTATION, prepare_reference
+from openvc_kernels.preparation import Prepared, PrepareOptions, prepare_reference
+from openvc_kernels.quant import BLOCK, quantize_per_head
+from openvc_kernels.repair import attention_mass, residual_energy, v_residual
+from openvc_kernels.sm90.layout import CHUNK, KEY_PERMUTATION
 
 cutlass = pytest.importorskip("cutlass")
 
-from openvc_kernels.sm90 import prep  # noqa: E402  (needs cutlass)
+from openvc_kernels import prep_ops  # noqa: E402  (needs cutlass)
+from openvc_kernels.sm90 import prep  # noqa: E402
 
-KINDS = prep.PREP_KINDS
+KINDS = prep_ops.PREP_KINDS
 DTYPES = (torch.bfloat16, torch.float16)
 POISON = 0x7F
 """E4M3 NaN: any output byte a kernel forgets to write shows up."""
@@ -49,11 +52,11 @@ def test_permutation_layout_is_chunk_key():
 
 _PTX_SCRIPT = """
 import collections, json, re, sys, torch
-from openvc_kernels.sm90 import prep
+from openvc_kernels import prep_ops
 out = {}
 for kind in prep_kinds:
     for dtype in (torch.bfloat16, torch.float16):
-        ptx = prep.compile_prep(kind, dtype).artifacts.PTX
+        ptx = prep_ops.compile_prep(kind, dtype).artifacts.PTX
         ops = collections.Counter(re.findall(r"^\\s+(?:@%p\\d+\\s+)?([a-z][a-z0-9_.:]*)", ptx, re.M))
         # Warp/CTA synchronisation inside a conditional region (between `@%p bra L` and `L:`), and loops.
         open_targets, seen_labels, divergent_sync, backward = set(), set(), [], []
@@ -143,17 +146,17 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) 
 _reference = prepare_reference
 
 
-_empty_prepared = prep.empty_prepared
+_empty_prepared = prep_ops.empty_prepared
 
 
-def _poisoned(batch: int, seq_q: int, seq_k: int, heads: int, device, *, repair_keys: int = 0) -> prep.Prepared:
+def _poisoned(batch: int, seq_q: int, seq_k: int, heads: int, device, *, repair_keys: int = 0) -> Prepared:
     out = _empty_prepared(batch, seq_q, seq_k, heads, device, repair_keys=repair_keys)
     for t in out[:-1]:
         t.view(torch.uint8).fill_(POISON)
     return out
 
 
-def _assert_identical(out: prep.Prepared, ref: prep.Prepared, context: str) -> None:
+def _assert_identical(out: Prepared, ref: Prepared, context: str) -> None:
     assert out.seqlen_k == ref.seqlen_k
     for name, got, want in zip(out._fields[:-1], out[:-1], ref[:-1]):
         assert got.shape == want.shape and got.dtype == want.dtype, f"{name} {context}"
@@ -198,7 +201,7 @@ def seed() -> int:
 @pytest.mark.parametrize("dtype,batch,seq_len,heads", CASES, ids=str)
 def test_prepare_matches_reference(seed, dtype, batch, seq_len, heads, flavour):
     q, k, v = (_inputs(flavour, (batch, seq_len, heads, 128), dtype, "cuda") for _ in range(3))
-    out = prep.prepare_into(q, k, v, _poisoned(batch, seq_len, seq_len, heads, "cuda"))
+    out = prep_ops.prepare_into(q, k, v, _poisoned(batch, seq_len, seq_len, heads, "cuda"))
     _assert_identical(out, _reference(q, k, v), f"seed {seed}")
 
 
@@ -209,8 +212,8 @@ def test_prepare_strided_inputs(seed):
     batch, seq_q, seq_k, heads = 2, 300, 1000, 12
     q = torch.randn(batch, heads, seq_q, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     k, v = torch.randn(batch, seq_k, 3, heads, 128, device="cuda", dtype=torch.bfloat16).unbind(2)[1:]
-    assert all(prep._kernel_ready(x).data_ptr() == x.data_ptr() for x in (q, k, v))  # no copy
-    out = prep.prepare_into(q, k, v, _poisoned(batch, seq_q, seq_k, heads, "cuda"))
+    assert all(prep_ops._kernel_ready(x).data_ptr() == x.data_ptr() for x in (q, k, v))  # no copy
+    out = prep_ops.prepare_into(q, k, v, _poisoned(batch, seq_q, seq_k, heads, "cuda"))
     _assert_identical(out, _reference(q, k, v), f"seed {seed}")
 
 
@@ -221,7 +224,7 @@ def test_prepare_with_smoothed_keys(seed, batch, seq_len, heads):
     q, v = (torch.randn(batch, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     offsets = 8 * torch.randn(128, device="cuda")  # per-channel offsets, what smoothing removes
     k = (torch.randn(batch, seq_len, heads, 128, device="cuda") + offsets).to(torch.bfloat16)
-    out = prep.prepare_into(q, k, v, _poisoned(batch, seq_len, seq_len, heads, "cuda"), smooth_k=True)
+    out = prep_ops.prepare_into(q, k, v, _poisoned(batch, seq_len, seq_len, heads, "cuda"), smooth_k=True)
     _assert_identical(out, _reference(q, k, v, smooth_k=True), f"seed {seed}")
 
 
@@ -231,15 +234,15 @@ def test_prepare_in_cuda_graph(seed):
     """Captured once, replayed after the inputs change in place: the same bytes as an eager call."""
     batch, seq_len, heads = 2, 4100, 12
     q, k, v = (torch.randn(batch, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    prep.prepare(q, k, v)  # compile outside the capture
+    prep_ops.prepare(q, k, v)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = prep.prepare(q, k, v)
+        static_out = prep_ops.prepare(q, k, v)
     for flavour in ("heavy", "zeros"):
         for x in (q, k, v):
             x.copy_(_inputs(flavour, x.shape, x.dtype, "cuda"))
         graph.replay()
-        _assert_identical(static_out, prep.prepare(q, k, v), f"replay, {flavour}, seed {seed}")
+        _assert_identical(static_out, prep_ops.prepare(q, k, v), f"replay, {flavour}, seed {seed}")
         _assert_identical(static_out, _reference(q, k, v), f"replay vs reference, {flavour}, seed {seed}")
 
 
@@ -251,7 +254,7 @@ def test_residual_energy_matches_reference(seed, batch, seq_len, heads):
     """PackV's per-token residual energies: every real token written, equal to PyTorch's up to summation order."""
     q, k, v = (_inputs("heavy", (batch, seq_len, heads, 128), torch.bfloat16, "cuda") for _ in range(3))
     energy = torch.full((batch, heads, seq_len), float("nan"), device="cuda")
-    prep.prepare_into(q, k, v, _poisoned(batch, seq_len, seq_len, heads, "cuda"), residual_energy=energy)
+    prep_ops.prepare_into(q, k, v, _poisoned(batch, seq_len, seq_len, heads, "cuda"), residual_energy=energy)
     v_heads = v.transpose(1, 2)
     v8, d_v = quantize_per_head(v_heads)
     expected = residual_energy(v_residual(v_heads, v8, d_v))
@@ -279,9 +282,9 @@ def test_prepare_with_repair_keys(seed, monkeypatch, ranking, smooth_k):
     batch, seq_len, heads = 2, 4100, 12
     q, k, v = (torch.randn(batch, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     v[:, torch.randperm(seq_len, device="cuda")[:20]] *= 20.0
-    monkeypatch.setattr(prep, "empty_prepared", _poisoned)
-    options = dict(smooth_k=smooth_k, repair_ratio=0.01, repair_ranking=ranking, softmax_scale=0.09)
-    out, ref = prep.prepare(q, k, v, **options), _reference(q, k, v, **options)
+    monkeypatch.setattr(prep_ops, "empty_prepared", _poisoned)
+    options = PrepareOptions(smooth_k=smooth_k, repair_ratio=0.01, repair_ranking=ranking, softmax_scale=0.09)
+    out, ref = prep_ops.prepare(q, k, v, options), _reference(q, k, v, options)
 
     s_pad = 33 * BLOCK
     real = out._replace(k8=out.k8[:, :, :s_pad], v_packed=out.v_packed[..., :s_pad], d_k_repair=ref.d_k_repair)
@@ -300,12 +303,12 @@ def test_prepare_with_repair_keys(seed, monkeypatch, ranking, smooth_k):
 def test_prepare_with_repair_in_cuda_graph(seed):
     batch, seq_len, heads = 1, 4100, 4
     q, k, v = (torch.randn(batch, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    options = dict(smooth_k=True, repair_ratio=0.005, repair_ranking="attention", softmax_scale=0.09)
-    prep.prepare(q, k, v, **options)  # compile outside the capture
+    options = PrepareOptions(smooth_k=True, repair_ratio=0.005, repair_ranking="attention", softmax_scale=0.09)
+    prep_ops.prepare(q, k, v, options)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = prep.prepare(q, k, v, **options)
+        static_out = prep_ops.prepare(q, k, v, options)
     for x in (q, k, v):
         x.copy_(_inputs("heavy", x.shape, x.dtype, "cuda"))
     graph.replay()
-    _assert_identical(static_out, prep.prepare(q, k, v, **options), f"replay with repair, seed {seed}")
+    _assert_identical(static_out, prep_ops.prepare(q, k, v, options), f"replay with repair, seed {seed}")

@@ -4,7 +4,8 @@ import math
 
 import pytest
 import torch
-from conftest import exact_attention, rel_l2
+from helpers import exact_attention
+from openvc_diffusers.metrics import rel_l2
 
 from openvc_kernels import reference_attention
 from openvc_kernels.split import MAX_SPLITS, MIN_STEPS_PER_PIECE, TailSplit, merge_pieces, piece_steps, plan_tail_split

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import rel_l2
+from openvc_diffusers.metrics import rel_l2
 
 import openvc_diffusers
 from openvc_diffusers.parallel import heads_to_sequence, sequence_to_heads

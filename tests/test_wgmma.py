@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from conftest import exact_attention, rel_l2
+from helpers import exact_attention
+from openvc_diffusers.metrics import rel_l2
 
 from openvc_kernels import reference_attention
 from openvc_kernels.wgmma import wgmma_e4m3_dot

@@ -22,8 +22,7 @@ class ForwardConfig:
     promote_every: int = PV_PROMOTE_EVERY
     """Key tiles the PV wgmma adds up before its sum moves into FP32 registers: the FP8 wgmma adds with ~14
     significant bits, so summing PV over all tiles in it would drop small products. ``reference_attention(...,
-    accumulation="wgmma")`` models ``wgmma.PV_PROMOTE_EVERY`` only, so another value runs a kernel the reference
-    does not follow."""
+    accumulation="wgmma", promote_every=...)`` follows the same value (both default to ``wgmma.PV_PROMOTE_EVERY``)."""
 
     @property
     def cache_name(self) -> str:

@@ -39,6 +39,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ..quant import BLOCK
 from ..support import HEAD_DIM
 from . import pieces, softmax
+from .ptx import mul_rn
 from .barriers import NamedBarrier
 from .config import ForwardConfig
 from .layout import PV_N
@@ -89,7 +90,7 @@ def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a, frag_b, zero_init)
     warpgroup.commit_group()
 
 
-class Steps(NamedTuple):
+class Visit(NamedTuple):
     """A CTA's share of its unit's visiting order: steps ``first .. first + n_real - 1`` of the order over the unit's
     ``n_k`` key tiles that starts at tile ``start`` (``ExpCastAttentionSm90.tile_at``); the repair tiles follow."""
 
@@ -174,7 +175,7 @@ class ExpCastAttentionSm90:
         piece_sums: cute.Tensor,
         piece_anchors: cute.Tensor,
         arrivals: cute.Tensor,
-        codes_per_score: Float32,
+        codes_per_dot: Float32,
         seqlen_k: Int32,
         window: Int32,
         repair_tiles: Int32,
@@ -182,8 +183,9 @@ class ExpCastAttentionSm90:
         splits: Int32,
         stream: cuda.CUstream,
     ):
-        """``codes_per_score`` is ``fp32(softmax_scale * 8 log2 e)``; the kernel multiplies in d_q. The units after
-        ``whole_units`` run ``splits`` pieces each (``split.plan_tail_split``; never with repair tiles)."""
+        """``codes_per_dot`` is ``expcast.codes_per_dot(softmax_scale)``; times d_q it is each row's codes per score
+        ``s`` (``reference.codes_per_score``). The units after ``whole_units`` run ``splits`` pieces each
+        (``split.plan_tail_split``; never with repair tiles)."""
         mQ, mK, mV = [_as_fp8_tma_view(t) for t in (q8, k8, v_packed)]
         sQ_layout = _smem_layout(TILE_M)
         sK_layout = _smem_layout(TILE_N, self.config.kv_stages)
@@ -228,7 +230,7 @@ class ExpCastAttentionSm90:
         self.kernel(
             mQ, mK, mV, d_q, d_k, d_v, d_k_repair, out, piece_sums, piece_anchors, arrivals,
             tma_q, tma_k, tma_v,
-            codes_per_score, seqlen_k, window, repair_tiles, whole_units, *divisors,
+            codes_per_dot, seqlen_k, window, repair_tiles, whole_units, *divisors,
             sQ_layout, sK_layout, sV_layout,
             tiled_mma_qk, tiled_mma_pv,
             SharedStorage,
@@ -256,7 +258,7 @@ class ExpCastAttentionSm90:
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
-        codes_per_score: Float32,
+        codes_per_dot: Float32,
         seqlen_k: Int32,
         window: Int32,
         repair_tiles: Int32,
@@ -307,7 +309,7 @@ class ExpCastAttentionSm90:
         start = n_k - 1
         if const_expr(not self.config.plain_order):
             start = cutlass.min(m_block + window, n_k - 1)
-        steps = Steps(first, n_real, start, n_k)
+        visit = Visit(first, n_real, start, n_k)
         pipeline_init_wait()
 
         if warp_idx < 4:
@@ -316,7 +318,7 @@ class ExpCastAttentionSm90:
                 self.load(
                     mQ[None, None, head, batch], mK[None, None, head, batch],
                     mV[None, None, head, batch], sQ, sK, sV, tma_q, tma_k, tma_v,
-                    pipeline_q, pipeline_k, pipeline_v, m_block, steps, repair_tiles,
+                    pipeline_q, pipeline_k, pipeline_v, m_block, visit, repair_tiles,
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -325,27 +327,27 @@ class ExpCastAttentionSm90:
             self.consume(
                 sQ, sK, sV, d_q[batch, head, None], d_k[batch, head, None], d_v[batch, head],
                 d_k_repair[batch, head, None], out[batch, None, head, None], tiled_mma_qk, tiled_mma_pv,
-                pipeline_q, pipeline_k, pipeline_v, tidx, m_block, steps, codes_per_score, seqlen_k, repair_tiles,
+                pipeline_q, pipeline_k, pipeline_v, tidx, m_block, visit, codes_per_dot, seqlen_k, repair_tiles,
                 Piece(piece, n_pieces, slot, piece_sums, piece_anchors, arrivals[unit - whole_units, None],
                       storage.arrivals_seen.get_tensor(cute.make_layout(CONSUMER_WGS))),
             )
 
     @cute.jit
-    def tile_at(self, i: Int32, steps: Steps) -> Int32:
+    def tile_at(self, i: Int32, visit: Visit) -> Int32:
         """The i-th key tile visited: mid-window ``start, ..., 0, n-1, ..., start+1``, or ``i``."""
         j = i
         if const_expr(not self.config.plain_order):
-            j = steps.start - i
+            j = visit.start - i
             if j < 0:
-                j = j + steps.n_k
+                j = j + visit.n_k
         return j
 
     @cute.jit
-    def kv_index(self, j: Int32, steps: Steps) -> Int32:
+    def kv_index(self, j: Int32, visit: Visit) -> Int32:
         """The K/V tile a CTA's step j loads: its steps of the visiting order, then the repair tiles."""
-        tile = steps.n_k + j - steps.n_real
-        if j < steps.n_real:
-            tile = self.tile_at(steps.first + j, steps)
+        tile = visit.n_k + j - visit.n_real
+        if j < visit.n_real:
+            tile = self.tile_at(visit.first + j, visit)
         return tile
 
     @cute.jit
@@ -364,7 +366,7 @@ class ExpCastAttentionSm90:
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
         m_block: Int32,
-        steps: Steps,
+        visit: Visit,
         repair_tiles: Int32,
     ):
         """Producer warp: Q once, then K(j + 1) ahead of V(j), the order the consumers wait in; the repair
@@ -388,14 +390,14 @@ class ExpCastAttentionSm90:
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.kv_stages)
-        n_steps = steps.n_real + repair_tiles
-        _tma_load(pipeline_k, tma_k, tKgK[None, self.kv_index(0, steps)], tKsK, state)
+        n_steps = visit.n_real + repair_tiles
+        _tma_load(pipeline_k, tma_k, tKgK[None, self.kv_index(0, visit)], tKsK, state)
         for j in cutlass.range(1, n_steps, unroll=1):
             prev = state.clone()
             state.advance()
-            _tma_load(pipeline_k, tma_k, tKgK[None, self.kv_index(j, steps)], tKsK, state)
-            _tma_load(pipeline_v, tma_v, tVgV[None, self.kv_index(j - 1, steps)], tVsV, prev)
-        _tma_load(pipeline_v, tma_v, tVgV[None, self.kv_index(n_steps - 1, steps)], tVsV, state)
+            _tma_load(pipeline_k, tma_k, tKgK[None, self.kv_index(j, visit)], tKsK, state)
+            _tma_load(pipeline_v, tma_v, tVgV[None, self.kv_index(j - 1, visit)], tVsV, prev)
+        _tma_load(pipeline_v, tma_v, tVgV[None, self.kv_index(n_steps - 1, visit)], tVsV, state)
 
     @cute.jit
     def consume(
@@ -415,8 +417,8 @@ class ExpCastAttentionSm90:
         pipeline_v: pipeline.PipelineAsync,
         tidx: Int32,
         m_block: Int32,
-        steps: Steps,
-        codes_per_score: Float32,
+        visit: Visit,
+        codes_per_dot: Float32,
         seqlen_k: Int32,
         repair_tiles: Int32,
         piece: Piece,
@@ -439,15 +441,15 @@ class ExpCastAttentionSm90:
         acc_o.fill(0.0)
         gemms = Gemms(tiled_mma_qk, tiled_mma_pv, frag_q, frag_k, frag_v, frag_p, acc_s, acc_pv)
         key_coords = softmax.rows_view(thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
-        rows = self.softmax_class(acc_s, key_coords, softmax.mul_rn(codes_per_score, d_q[m_block]))
-        last_tile = steps.n_k - 1
+        rows = self.softmax_class(acc_s, key_coords, mul_rn(codes_per_dot, d_q[m_block]))
+        last_tile = visit.n_k - 1
         keys = Keys(d_k, d_k_repair, last_tile, seqlen_k - last_tile * TILE_N)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_q.consumer_wait(q_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.kv_stages)
 
-        tile = self.tile_at(steps.first, steps)
+        tile = self.tile_at(visit.first, visit)
         d_k_tile = d_k[tile]
         pipeline_k.consumer_wait(state)
         gemms.issue_qk(state.index)
@@ -461,15 +463,15 @@ class ExpCastAttentionSm90:
                 cute.arch.barrier_arrive(barrier_id=NamedBarrier.SCHEDULER, number_of_threads=2 * WG_THREADS)
         step = functools.partial(
             self.step, gemms=gemms, rows=rows, acc_o=acc_o, pipeline_k=pipeline_k, pipeline_v=pipeline_v,
-            steps=steps, keys=keys, wg=wg,
+            visit=visit, keys=keys, wg=wg,
         )
-        for j in cutlass.range(1, steps.n_real, unroll=1):
+        for j in cutlass.range(1, visit.n_real, unroll=1):
             state = step(j, state, False)
-        for j in cutlass.range(steps.n_real, steps.n_real + repair_tiles, unroll=1):
+        for j in cutlass.range(visit.n_real, visit.n_real + repair_tiles, unroll=1):
             state = step(j, state, True)
 
         pipeline_v.consumer_wait(state)
-        gemms.issue_pv(state.index, (steps.n_real + repair_tiles - 1) % self.config.promote_every == 0)
+        gemms.issue_pv(state.index, (visit.n_real + repair_tiles - 1) % self.config.promote_every == 0)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(state)
         rows.accumulate_last(acc_o, acc_pv)
@@ -495,7 +497,7 @@ class ExpCastAttentionSm90:
         acc_o: cute.Tensor,
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
-        steps: Steps,
+        visit: Visit,
         keys: Keys,
         wg: Int32,
     ):
@@ -517,9 +519,9 @@ class ExpCastAttentionSm90:
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(state)
         if const_expr(repair):
-            rows.encode_repair(keys.d_k_repair, (j - steps.n_real) * TILE_N)
+            rows.encode_repair(keys.d_k_repair, (j - visit.n_real) * TILE_N)
         else:
-            tile = self.tile_at(steps.first + j, steps)
+            tile = self.tile_at(visit.first + j, visit)
             rows.online_codes(tile == keys.last_tile, keys.last_valid, keys.d_k[tile], False)
         # frag_p and acc_pv belong to the PV wgmma until it retires.
         warpgroup.wait_group(0)

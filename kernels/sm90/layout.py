@@ -17,21 +17,9 @@ packs, for each h, the codes of columns ``2t + {0, 1} + 8 * {2h, 2h + 1}`` into 
 against the tiled MMA's printed layouts.
 """
 
-from typing import NamedTuple
-
 import torch
 
-from ..quant import (
-    BLOCK,
-    choose_repair_tokens,
-    gather_tokens,
-    quantize_inputs,
-    quantize_repair_rows,
-    repair_count,
-    residual_energy,
-    softmax_scale_or_default,
-    v_residual,
-)
+from ..quant import BLOCK
 from ..support import HEAD_DIM
 
 ONES_ROWS = 8
@@ -86,77 +74,3 @@ def pack_v(v8: torch.Tensor, *, ones: bool = True) -> torch.Tensor:
     # no host-to-device copy (this runs inside CUDA-graph captures).
     rows = rows.view(batch, heads, s_pad // CHUNK, 2, 2, 4, 2, PV_N).transpose(4, 5)
     return rows.reshape(batch, heads, s_pad, PV_N).transpose(2, 3).contiguous()
-
-
-class Prepared(NamedTuple):
-    """Kernel inputs: FP8 bytes as uint8, FP32 descales, packed V; ``seqlen_k`` counts the real keys.
-
-    q8 (B, H, Sq_pad, 128), d_q (B, H, n_q), k8 (B, H, Sk_pad + R, 128), d_k (B, H, n_k),
-    v_packed (B, H, 136, Sk_pad + R), d_v (B, H), d_k_repair (B, H, R); all contiguous. R (a multiple of 128,
-    0 without V residual repair) counts the repair keys after the real ones (``write_repair_rows``): K
-    rows of chosen tokens, each with its own block's descale in ``d_k_repair``, and their V residuals.
-    """
-
-    q8: torch.Tensor
-    d_q: torch.Tensor
-    k8: torch.Tensor
-    d_k: torch.Tensor
-    v_packed: torch.Tensor
-    d_v: torch.Tensor
-    d_k_repair: torch.Tensor
-    seqlen_k: int
-
-    @property
-    def repair_tiles(self) -> int:
-        return self.d_k_repair.shape[-1] // BLOCK
-
-
-def write_repair_rows(prepared: Prepared, v: torch.Tensor, tokens: torch.Tensor) -> None:
-    """Fill the R repair keys of ``prepared`` (real keys written, room for R after them) for ``tokens``
-    (B, H, count <= R), from ``(B, S, H, 128)`` v: each token's K row and its block's descale, the FP8 bytes of
-    ``r / d_V`` with ``r = V - d_V V8`` (V8 read back from packed V), 0 in the ones rows, zero keys after them.
-    """
-    s_pad, count = padded_len(prepared.seqlen_k), tokens.shape[-1]
-    k_rows = prepared.k8[:, :, s_pad:]
-    k_rows[:, :, :count] = gather_tokens(prepared.k8, tokens)
-    k_rows[:, :, count:] = 0
-    prepared.d_k_repair[..., :count] = prepared.d_k.gather(2, tokens // BLOCK)
-    prepared.d_k_repair[..., count:] = 0
-    columns = packed_position(tokens)[:, :, None, :].expand(-1, -1, HEAD_DIM, -1)
-    v8 = prepared.v_packed[:, :, :HEAD_DIM].gather(3, columns).transpose(2, 3).view(torch.float8_e4m3fn)
-    residual = v_residual(gather_tokens(v.transpose(1, 2), tokens), v8, prepared.d_v)
-    prepared.v_packed[..., s_pad:] = pack_v(quantize_repair_rows(residual, prepared.d_v), ones=False)
-
-
-def prepare_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    smooth_k: bool = False,
-    repair_ratio: float = 0.0,
-    repair_ranking: str = "energy",
-    softmax_scale: float | None = None,
-) -> Prepared:
-    """The preparation in PyTorch, from ``(B, S, H, 128)`` q, k, v: the bytes the fused kernels must write.
-    Options as in ``reference_attention``; the repair keys come from the residual energies summed by PyTorch."""
-    tau = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    q8, d_q, k8, d_k, v8, d_v = quantize_inputs(q, k, v, smooth_k=smooth_k, softmax_scale=tau)
-    count = repair_count(k.shape[1], repair_ratio)
-    room = padded_len(count)
-    k8 = torch.nn.functional.pad(k8.view(torch.uint8), (0, 0, 0, room))
-    prepared = Prepared(
-        q8.view(torch.uint8),
-        d_q.contiguous(),
-        k8,
-        d_k.contiguous(),
-        torch.nn.functional.pad(pack_v(v8), (0, room)),
-        d_v.contiguous(),
-        d_k.new_empty(*d_k.shape[:2], room),
-        k.shape[1],
-    )
-    if count:
-        energy = residual_energy(v_residual(v.transpose(1, 2), v8, d_v))
-        tokens = choose_repair_tokens(energy, count, q, k, ranking=repair_ranking, softmax_scale=softmax_scale)
-        write_repair_rows(prepared, v, tokens)
-    return prepared

@@ -1,10 +1,11 @@
-"""Fused preparation for the sm90 kernel: Q and K to FP8 per 128-token block, V to FP8 per head, packed.
+"""Fused preparation for the sm90 kernel: Q and K to FP8 per 128-token block, V to FP8 per head, packed. Device
+code only: ``prep_ops`` compiles these kernels and runs them on torch tensors.
 
 Byte-identical to ``quant.quantize_per_block`` (Q, K) and ``layout.pack_v(quant.quantize_per_head(V))``
-(``layout.prepare_reference``). With K smoothing, K's per-channel mean (``quant.channel_mean``, one PyTorch
+(``preparation.prepare_reference``). With K smoothing, K's per-channel mean (``quant.channel_mean``, one PyTorch
 reduction: it needs the whole sequence) is subtracted inside the K launch.
 Inputs are diffusers' ``(B, S, H, 128)`` fp16/bf16, any strides whose head-dim stride is 1 and the others
-multiples of 8 elements (16 bytes); anything else is copied once by ``prepare``.
+multiples of 8 elements (16 bytes); anything else is copied once by ``prep_ops.prepare``.
 
 Four launches, stream-ordered, no host synchronisation, capturable in a CUDA graph (then the descale guards,
 ``quant.apply_descale_guards``, a few small PyTorch ops on the descales):
@@ -16,7 +17,7 @@ Four launches, stream-ordered, no host synchronisation, capturable in a CUDA gra
                                              optionally each token's residual energy (B, H, S) for repair
 
 The outputs may be views into larger buffers (their batch, head and row strides are free): with V residual
-repair, k8 and v_packed have room for the repair keys after the real ones (``layout.write_repair_rows``).
+repair, k8 and v_packed have room for the repair keys after the real ones (``preparation.write_repair_rows``).
 
 Every CTA owns one 128-token block of one (b, h): 256 threads, each holding 16 consecutive channels of
 4 tokens in registers (the block is read once per kernel). V is read twice: its scale needs the whole head.
@@ -24,29 +25,14 @@ The absmax is exact in any order (max of non-negative FP32s, and on their bits a
 atomics leave the result deterministic.
 """
 
-import functools
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import torch
 from cutlass import Float32, Int32, Uint8
 
-from ..compile_cache import load_or_compile
-from ..quant import (
-    ABSMAX_FLOOR,
-    BLOCK,
-    FP8_MAX,
-    apply_descale_guards,
-    channel_mean,
-    choose_repair_tokens,
-    num_blocks,
-    repair_count,
-    softmax_scale_or_default,
-)
-from .softmax import mul_rn
-from .layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS, PV_N, Prepared, write_repair_rows
-from .target import default_to_sm90, row_major_fake as _row_major_fake
+from ..quant import ABSMAX_FLOOR, BLOCK, FP8_MAX
+from .layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS
+from .ptx import mul_rn
 
 THREADS = 256
 WARPS = THREADS // 32
@@ -57,14 +43,10 @@ TOKENS_PER_PASS = THREADS // THREADS_PER_TOKEN
 """32 tokens per pass, 4 passes per block: all 16 KiB of loads of a thread in flight at once."""
 KEYS_PER_STORE = 16
 """Packed V: consecutive key positions one thread stores (16 bytes) for one channel."""
-INPUT_ALIGN = 16
-"""Bytes: the vector width of every global access."""
 PERMUTATION_SHAPE = ((2, 2, 4, 2), BLOCK // CHUNK)
 PERMUTATION_STRIDE = ((1, 8, 2, 16), CHUNK)
 """Packed-V position -> key within the block, ``layout.chunk_key`` as a layout: position
 p = b0 + 2 b1 + 4 lane + 16 half + 32 chunk holds key b0 + 8 b1 + 2 lane + 16 half + 32 chunk."""
-
-TORCH_TO_CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 
 
 def _token_major_copy(dtype: type[cutlass.Numeric]) -> cute.TiledCopy:
@@ -155,7 +137,7 @@ def _scale_and_descale(a: Float32) -> tuple[Float32, Float32]:
 
 @cute.jit
 def _to_e4m3(x: cute.TensorSSA, scale: Float32) -> cute.TensorSSA:
-    """RNE to E4M3 with saturation (cvt.rn.satfinite.e4m3x2.f32): ``quant._e4m3`` of ``x * scale``."""
+    """RNE to E4M3 with saturation (cvt.rn.satfinite.e4m3x2.f32): ``quant.to_e4m3`` of ``x * scale``."""
     return (x * scale).to(cutlass.Float8E4M3FN)
 
 
@@ -181,7 +163,7 @@ def _minus_channel_mean(x: cute.TensorSSA, mean: cute.Tensor, coords: cute.Tenso
 def _store_residual_energy(
     x: cute.TensorSSA, x8: cute.TensorSSA, descale: Float32, coords: cute.Tensor, energy: cute.Tensor
 ):
-    """``energy[token] = sum_c (x - descale * x8)^2`` over the block's real tokens (``quant.residual_energy``:
+    """``energy[token] = sum_c (x - descale * x8)^2`` over the block's real tokens (``repair.residual_energy``:
     the same residuals, summed in another order). A thread holds 16 channels of 4 tokens; 8 neighbouring lanes
     share a token.
 
@@ -357,165 +339,3 @@ class PackV:
             cute.copy(ones_copy, tOrO, tOgO)
         if n == 0 and tidx == 0:
             mDv[b, h] = descale
-
-
-# ---- compilation: once per (kernel, input dtype), shapes and strides symbolic; no GPU needed ----
-
-PREP_KINDS = ("quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy")
-"""The compiled kernels: quantize Q or K, K minus its channel mean (smooth_k), V's absmax, packed V without and
-with the residual energies (V residual repair)."""
-
-
-def _input_fake(dtype: type[cutlass.Numeric]):
-    """(B, S, H, 128) with any 16-byte-multiple strides and a contiguous head dim."""
-    shape = (cute.sym_int(), cute.sym_int(), cute.sym_int(), HEAD_DIM)
-    stride = (*(cute.sym_int64(divisibility=INPUT_ALIGN // (dtype.width // 8)) for _ in range(3)), 1)
-    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=INPUT_ALIGN)
-
-
-def _rows_fake(shape: tuple):
-    """A uint8 output whose last dim is contiguous and whose other strides are free multiples of 16 bytes: a view
-    of the real keys inside a buffer with room for repair keys."""
-    stride = (*(cute.sym_int64(divisibility=INPUT_ALIGN) for _ in shape[:-1]), 1)
-    return cute.runtime.make_fake_tensor(Uint8, shape, stride=stride, assumed_align=INPUT_ALIGN)
-
-
-def load_prep(kind: str, dtype: torch.dtype):
-    """``compile_prep(kind, dtype)``, compiled once per machine (``compile_cache``)."""
-    name = f"prep_{kind}_{str(dtype).removeprefix('torch.')}"
-    return load_or_compile(name, lambda: compile_prep(kind, dtype))
-
-
-def compile_prep(kind: str, dtype: torch.dtype):
-    """Compile one preparation kernel (one of ``PREP_KINDS``) for fp16 or bf16 inputs; set
-    ``CUTE_DSL_ARCH=sm_90a`` to compile without a GPU."""
-    if kind not in PREP_KINDS:
-        raise ValueError(f"unknown preparation kernel {kind!r}; known: {', '.join(PREP_KINDS)}")
-    default_to_sm90()
-    x = _input_fake(TORCH_TO_CUTLASS[dtype])
-    b, h, s_pad = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=BLOCK)
-    per_head = _row_major_fake(Float32, (b, h), 4)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    if kind.startswith("quantize"):
-        mean = _row_major_fake(Float32, (b, h, HEAD_DIM), 16) if kind == "quantize_centered_per_block" else None
-        x8, d = _rows_fake((b, h, s_pad, HEAD_DIM)), _row_major_fake(Float32, (b, h, cute.sym_int()), 4)
-        args = (QuantizePerBlock(), x, x8, d, mean)
-    elif kind == "absmax_per_head":
-        args = (AbsmaxPerHead(), x, per_head)
-    else:
-        energy = _row_major_fake(Float32, (b, h, cute.sym_int()), 4) if kind == "pack_v_energy" else None
-        args = (PackV(), x, per_head, _rows_fake((b, h, PV_N, s_pad)), _row_major_fake(Float32, (b, h), 4), energy)
-    return cute.compile(*args, stream, options="--enable-tvm-ffi")
-
-
-# ---- torch wrapper ----
-
-
-def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
-    """``x`` itself when the kernels can read it in place (contiguous head dim, 16-byte strides and base);
-    otherwise one contiguous copy. Size-1 dims get stride 0: torch reports any stride there (and calls such
-    a tensor contiguous), the compiled kernels check that every stride is a multiple of 8 elements."""
-    x = x.as_strided(x.shape, [st if n > 1 else 0 for n, st in zip(x.shape, x.stride())])
-    elems = INPUT_ALIGN // x.element_size()
-    in_place = (
-        x.stride(3) == 1
-        and all(st % elems == 0 for st in x.stride()[:3])
-        and x.data_ptr() % INPUT_ALIGN == 0
-    )
-    return x if in_place else torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
-
-
-def empty_prepared(
-    batch: int, seq_q: int, seq_k: int, heads: int, device: torch.device | str, *, repair_keys: int = 0
-) -> Prepared:
-    """Uninitialised outputs for ``prepare_into``, with room for ``repair_keys`` (a multiple of 128) after the
-    real keys."""
-    n_q, n_k = num_blocks(seq_q), num_blocks(seq_k)
-    empty = functools.partial(torch.empty, device=device)
-    return Prepared(
-        q8=empty(batch, heads, n_q * BLOCK, HEAD_DIM, dtype=torch.uint8),
-        d_q=empty(batch, heads, n_q, dtype=torch.float32),
-        k8=empty(batch, heads, n_k * BLOCK + repair_keys, HEAD_DIM, dtype=torch.uint8),
-        d_k=empty(batch, heads, n_k, dtype=torch.float32),
-        v_packed=empty(batch, heads, PV_N, n_k * BLOCK + repair_keys, dtype=torch.uint8),
-        d_v=empty(batch, heads, dtype=torch.float32),
-        d_k_repair=empty(batch, heads, repair_keys, dtype=torch.float32),
-        seqlen_k=seq_k,
-    )
-
-
-def prepare_into(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: Prepared,
-    *,
-    smooth_k: bool = False,
-    residual_energy: torch.Tensor | None = None,
-    softmax_scale: float | None = None,
-) -> Prepared:
-    """``prepare``'s real keys into the buffers of ``out`` (from ``empty_prepared``), descale guards applied
-    (``quant.apply_descale_guards``, for ``softmax_scale``, default ``1 / sqrt(128)``); returns ``out``.
-    ``residual_energy`` (B, H, S_k) fp32, where given, receives ``quant.residual_energy`` of every token.
-
-    Four launches on the current stream, then the guards' few small PyTorch ops on the descales; nothing waits
-    on the host, so a call can be captured in a CUDA graph.
-    """
-    mean_k = channel_mean(k.transpose(1, 2)).squeeze(2).contiguous() if smooth_k else None  # the reference's reduction
-    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
-    s_pad = num_blocks(out.seqlen_k) * BLOCK
-    amax_v = torch.zeros(v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
-    energy = residual_energy is not None
-    quantize_q, quantize_k, absmax_v, pack = load_kernels(q.dtype, smooth_k=smooth_k, energy=energy)
-    quantize_q(q, out.q8, out.d_q, None)
-    quantize_k(k, out.k8[:, :, :s_pad], out.d_k, mean_k)
-    absmax_v(v, amax_v)
-    pack(v, amax_v, out.v_packed[..., :s_pad], out.d_v, residual_energy)
-    d_q, d_v = apply_descale_guards(
-        out.d_q, out.d_k, out.d_v, softmax_scale_or_default(softmax_scale, HEAD_DIM), head_dim=HEAD_DIM
-    )
-    out.d_q.copy_(d_q)
-    out.d_v.copy_(d_v)
-    return out
-
-
-def load_kernels(dtype: torch.dtype, *, smooth_k: bool, energy: bool) -> tuple:
-    """The four compiled launches of ``prepare_into`` in order (quantize Q, quantize K, V's absmax, pack V), for
-    inputs of ``dtype``, K smoothing and residual energies (V residual repair) as given."""
-    kinds = (
-        "quantize_per_block",
-        "quantize_centered_per_block" if smooth_k else "quantize_per_block",
-        "absmax_per_head",
-        "pack_v_energy" if energy else "pack_v",
-    )
-    return tuple(load_prep(kind, dtype) for kind in kinds)
-
-
-def prepare(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    smooth_k: bool = False,
-    repair_ratio: float = 0.0,
-    repair_ranking: str = "energy",
-    softmax_scale: float | None = None,
-) -> Prepared:
-    """Quantize ``(B, S, H, 128)`` fp16/bf16 CUDA tensors q, k, v for the sm90 kernel, on the current stream.
-
-    Byte-identical to ``layout.prepare_reference`` with the same options (the descale guards of
-    ``quant.apply_descale_guards`` included; ``softmax_scale`` defaults to ``1 / sqrt(128)``), except that the
-    repair tokens are ranked by residual energies summed in another order (the choice can differ where two tokens
-    nearly tie).
-    Arguments are checked by the caller (``validation``, ``support``): same device, dtype, batch and heads.
-    """
-    batch, seq_q, heads, _ = q.shape
-    seq_k = k.shape[1]
-    count = repair_count(seq_k, repair_ratio)
-    out = empty_prepared(batch, seq_q, seq_k, heads, q.device, repair_keys=num_blocks(count) * BLOCK)
-    energy = torch.empty(batch, heads, seq_k, dtype=torch.float32, device=q.device) if count else None
-    prepare_into(q, k, v, out, smooth_k=smooth_k, residual_energy=energy, softmax_scale=softmax_scale)
-    if count:
-        tokens = choose_repair_tokens(energy, count, q, k, ranking=repair_ranking, softmax_scale=softmax_scale)
-        write_repair_rows(out, v, tokens)
-    return out

@@ -1,0 +1,92 @@
+"""What the sm90 forward kernel reads (``Prepared``), its options (``PrepareOptions``), and the preparation in
+PyTorch: the bytes the fused preparation (``prep_ops``) must write, and the oracle its tests compare with.
+
+Quantization is ``quant.quantize_inputs`` and the repair keys come from ``repair``, as in ``reference_attention``:
+the reference, this preparation and the fused one's repair keys share that code.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from .quant import BLOCK, quantize_inputs, softmax_scale_or_default
+from .repair import gather_tokens, rank_repair_tokens, repair_count, repair_descales, repair_values
+from .sm90.layout import HEAD_DIM, pack_v, packed_position, padded_len
+
+
+class PrepareOptions(NamedTuple):
+    """How q, k, v are prepared, as in ``reference_attention``: K smoothing, V residual repair (rho and the ranking
+    of its candidates) and the softmax scale (default ``1 / sqrt(D)``), which the descale guards and the
+    "attention" ranking use."""
+
+    smooth_k: bool = False
+    repair_ratio: float = 0.0
+    repair_ranking: str = "energy"
+    softmax_scale: float | None = None
+
+
+class Prepared(NamedTuple):
+    """Kernel inputs: FP8 bytes as uint8, FP32 descales, packed V; ``seqlen_k`` counts the real keys.
+
+    q8 (B, H, Sq_pad, 128), d_q (B, H, n_q), k8 (B, H, Sk_pad + R, 128), d_k (B, H, n_k),
+    v_packed (B, H, 136, Sk_pad + R), d_v (B, H), d_k_repair (B, H, R); all contiguous. R (a multiple of 128,
+    0 without V residual repair) counts the repair keys after the real ones (``write_repair_rows``): K
+    rows of chosen tokens, each with its own block's descale in ``d_k_repair``, and their V residuals.
+    """
+
+    q8: torch.Tensor
+    d_q: torch.Tensor
+    k8: torch.Tensor
+    d_k: torch.Tensor
+    v_packed: torch.Tensor
+    d_v: torch.Tensor
+    d_k_repair: torch.Tensor
+    seqlen_k: int
+
+    @property
+    def repair_tiles(self) -> int:
+        return self.d_k_repair.shape[-1] // BLOCK
+
+
+def write_repair_rows(prepared: Prepared, v: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Fill the R repair keys of ``prepared`` (real keys written, room for R after them) for ``tokens``
+    (B, H, count <= R), from ``(B, S, H, 128)`` v: each token's K row and its block's descale, the FP8 bytes of
+    ``r / d_V`` with ``r = V - d_V V8`` (V8 read back from packed V), 0 in the ones rows, zero keys after them.
+    """
+    s_pad, count = padded_len(prepared.seqlen_k), tokens.shape[-1]
+    k_rows = prepared.k8[:, :, s_pad:]
+    k_rows[:, :, :count] = gather_tokens(prepared.k8, tokens)
+    k_rows[:, :, count:] = 0
+    prepared.d_k_repair[..., :count] = repair_descales(prepared.d_k, tokens)
+    prepared.d_k_repair[..., count:] = 0
+    columns = packed_position(tokens)[:, :, None, :].expand(-1, -1, HEAD_DIM, -1)
+    v8 = prepared.v_packed[:, :, :HEAD_DIM].gather(3, columns).transpose(2, 3).view(torch.float8_e4m3fn)
+    prepared.v_packed[..., s_pad:] = pack_v(repair_values(v, v8, tokens, prepared.d_v), ones=False)
+
+
+def prepare_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: PrepareOptions = PrepareOptions()
+) -> Prepared:
+    """The preparation in PyTorch, from ``(B, S, H, 128)`` q, k, v: the bytes the fused kernels must write.
+    The repair keys come from the residual energies summed by PyTorch."""
+    tau = softmax_scale_or_default(options.softmax_scale, q.shape[-1])
+    q8, d_q, k8, d_k, v8, d_v = quantize_inputs(q, k, v, smooth_k=options.smooth_k, softmax_scale=tau)
+    count = repair_count(k.shape[1], options.repair_ratio)
+    room = padded_len(count)
+    k8 = torch.nn.functional.pad(k8.view(torch.uint8), (0, 0, 0, room))
+    prepared = Prepared(
+        q8.view(torch.uint8),
+        d_q.contiguous(),
+        k8,
+        d_k.contiguous(),
+        torch.nn.functional.pad(pack_v(v8), (0, room)),
+        d_v.contiguous(),
+        d_k.new_empty(*d_k.shape[:2], room),
+        k.shape[1],
+    )
+    if count:
+        tokens = rank_repair_tokens(
+            q, k, v, v8, d_v, count, ranking=options.repair_ranking, softmax_scale=options.softmax_scale
+        )
+        write_repair_rows(prepared, v, tokens)
+    return prepared
