@@ -1,5 +1,6 @@
 """Which backend takes an attention call, and why: the config's chains plus what each backend can take."""
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -84,24 +85,27 @@ def openvc_unavailable_reason(config: OpenVCConfig, call: Call) -> str | None:
         return f"{q.shape[1]} query tokens < min_tokens {config.min_tokens}"
     if q.device.type == "cpu":
         return None  # the reference runs anywhere
-    return kernel_unavailable_reason(
-        q.device, q.dtype, q.shape[-1], config.window is None, config.smooth_k, config.repair_ratio > 0
-    )
+    # HEAD_DIM, not q.shape[-1] (checked above): with dynamic=True that is symbolic, and so would be the options read
+    # from the config; the constant lookup below takes constants (the options as text).
+    return kernel_unavailable_reason(q.device, q.dtype, HEAD_DIM, config.kernel_options_text)
 
 
 @torch.compiler.assume_constant_result
 def kernel_unavailable_reason(
-    device: torch.device, dtype: torch.dtype, head_dim: int, plain_order: bool, smooth_k: bool, repair: bool
+    device: torch.device, dtype: torch.dtype, head_dim: int, kernel_options_text: str
 ) -> str | None:
     """Why the Hopper kernel cannot take queries of this device, dtype and head dim with these options
-    (``openvc_kernels.kernel_unavailable_reason``), or why its kernels cannot be built here (compiled on the first
-    call that asks: a failure then falls back, logged once, instead of failing the call). torch.compile runs this
-    while tracing and keeps the answer (the tensor's guards cover the first three) instead of tracing it: its
-    package lookup is a graph break at every call with torch 2.11."""
+    (``OpenVCConfig.kernel_options_text``; ``openvc_kernels.kernel_unavailable_reason``), or why its kernels cannot
+    be built here (compiled on the first call that asks: a failure then falls back, logged once, instead of failing
+    the call). torch.compile runs this while tracing and keeps the answer (the tensor's guards cover the first
+    three) instead of tracing it: its package lookup is a graph break at every call with torch 2.11."""
     reason = openvc_kernels.kernel_unavailable_reason(device, dtype, head_dim)
     if reason is not None:
         return reason
-    return build_failure(dtype, plain_order=plain_order, smooth_k=smooth_k, repair=repair)
+    options = json.loads(kernel_options_text)
+    return build_failure(
+        dtype, plain_order=options["window"] is None, smooth_k=options["smooth_k"], repair=options["repair_ratio"] > 0
+    )
 
 
 def decide(config: OpenVCConfig, call: Call) -> Decision:

@@ -96,9 +96,12 @@ def test_package_lookups_are_evaluated_not_traced(monkeypatch):
     monkeypatch.setattr(openvc_kernels, "kernel_unavailable_reason", untraceable("no kernel here"))
     monkeypatch.setattr(backends, "_fa4_found", untraceable(True))
 
-    @torch.compile(backend="eager", fullgraph=True)
+    config = openvc_diffusers.load_config({"repair_ratio": 0.01})
+
+    # dynamic=True: the options are read from the config as the policy reads them, where its float would be symbolic.
+    @torch.compile(backend="eager", fullgraph=True, dynamic=True)
     def checks(q):
-        kernel = policy.kernel_unavailable_reason(q.device, q.dtype, q.shape[-1], False, True, True)
+        kernel = policy.kernel_unavailable_reason(q.device, q.dtype, 128, config.kernel_options_text)
         return q + 1, kernel, backends.fa4_installed()
 
     assert checks(torch.zeros(2, 128))[1:] == ("no kernel here", True)

@@ -225,7 +225,7 @@ def test_prepare_with_smoothed_keys(seed, batch, seq_len, heads):
     offsets = 8 * torch.randn(128, device="cuda")  # per-channel offsets, what smoothing removes
     k = (torch.randn(batch, seq_len, heads, 128, device="cuda") + offsets).to(torch.bfloat16)
     out = prep_ops.prepare_into(q, k, v, _poisoned(batch, seq_len, seq_len, heads, "cuda"), smooth_k=True)
-    _assert_identical(out, _reference(q, k, v, smooth_k=True), f"seed {seed}")
+    _assert_identical(out, _reference(q, k, v, PrepareOptions(smooth_k=True)), f"seed {seed}")
 
 
 @pytest.mark.gpu
