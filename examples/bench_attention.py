@@ -27,7 +27,6 @@ import os
 import random
 import re
 import statistics
-import subprocess
 import sys
 
 import torch
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from openvc_diffusers import cli
+from openvc_diffusers.gpu_state import clocks
 from openvc_diffusers.metrics import rel_l2
 from openvc_kernels import attention, attention_prepared, prepare
 from openvc_kernels.support import HEAD_DIM
@@ -48,11 +48,6 @@ SAMPLED_ROWS = 256
 
 def log(message: str) -> None:
     print(message, flush=True)
-
-
-def clocks() -> str:
-    query = ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw", "--format=csv,noheader"]
-    return subprocess.run(query, capture_output=True, text=True).stdout.strip()
 
 
 def tflops(flop: float, ms: float) -> float:

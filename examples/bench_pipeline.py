@@ -41,7 +41,6 @@ import json
 import math
 import random
 import statistics
-import subprocess
 import time
 import traceback
 from contextlib import nullcontext
@@ -53,9 +52,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from openvc_diffusers import cli
 from openvc_diffusers.backends import fa4_installed
+from openvc_diffusers.gpu_state import clocks
 from openvc_diffusers.metrics import psnr, ssim
 from openvc_diffusers.pipelines import install
-from openvc_diffusers.policy import FA4, OPENVC_KERNEL, OPENVC_REFERENCE, SDPA
+from openvc_diffusers.config import FA4, SDPA
+from openvc_diffusers.policy import OPENVC_KERNEL, OPENVC_REFERENCE
 from openvc_diffusers.tiny import cast_like_from_pretrained, tiny_wan_inputs, tiny_wan_transformer, tiny_wan_vae
 
 WAN_1_3B = dict(
@@ -146,11 +147,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"{video} video"
         )
     return args
-
-
-def clocks() -> str:
-    query = ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw", "--format=csv,noheader"]
-    return subprocess.run(query, capture_output=True, text=True).stdout.strip()
 
 
 def build_model(args: argparse.Namespace, device: str) -> WanTransformer3DModel:

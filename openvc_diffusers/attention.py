@@ -7,8 +7,8 @@ import torch
 import openvc_kernels
 
 from .backends import kernel_options, run_fa4, run_reference, run_sdpa
-from .config import OpenVCConfig, load_config
-from .policy import FA4, OPENVC_KERNEL, OPENVC_REFERENCE, Call, Decision, decide
+from .config import FA4, OpenVCConfig, load_config
+from .policy import OPENVC_KERNEL, OPENVC_REFERENCE, Call, Decision, decide
 
 logger = logging.getLogger("openvc_diffusers")
 _said: set[str] = set()

@@ -29,11 +29,12 @@ from diffusers.models.attention_dispatch import (
 from packaging.version import Version
 
 from .attention import run, warn_once
-from .config import OpenVCConfig, format_indices, load_config
+from .config import OPENVC, SDPA, OpenVCConfig, format_indices, load_config
 from .parallel import heads_to_sequence, sequence_to_heads, ulysses_group
-from .policy import SDPA, Call, decide
+from .policy import Call, decide
 
-NAME = "openvc"
+NAME = OPENVC
+"""The backend's name in diffusers: the policy's name for Open-VC."""
 TESTED_DIFFUSERS = ((0, 37), (0, 43))
 """diffusers releases the package was tested on: from the first (inclusive) to the second (exclusive). The registry's
 ``supports_context_parallel`` dates from 0.36; 0.37 is the first whose Wan context-parallel plan leaves the text

@@ -12,6 +12,8 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 
 import openvc_kernels
 
+from .config import OPENVC
+
 FA4_DTYPES = (torch.float16, torch.bfloat16)
 FA4_MAX_HEAD_DIM = 256
 
@@ -57,7 +59,7 @@ def run_sdpa(q, k, v, attn_mask=None, attention_backend=None) -> torch.Tensor:
     processors'. Where that would be the "openvc" backend itself, diffusers' native attention."""
     if attention_backend is None:
         attention_backend = _AttentionBackendRegistry._active_backend
-    if attention_backend == "openvc":
+    if attention_backend == OPENVC:  # the diffusers backend this package registers bears the policy's name
         attention_backend = AttentionBackendName.NATIVE
     return dispatch_attention_fn(q, k, v, attn_mask=attn_mask, backend=attention_backend)
 

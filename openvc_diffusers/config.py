@@ -17,7 +17,10 @@ import yaml
 from openvc_kernels.repair import REPAIR_RANKINGS
 from openvc_kernels.validation import MAX_REPAIR_RATIO
 
-BACKENDS = ("openvc", "fa4", "sdpa")
+OPENVC, FA4, SDPA = "openvc", "fa4", "sdpa"
+"""The backends a config names: Open-VC (the Hopper kernel, or its reference off the GPU), FlashAttention-4 and
+diffusers' own dispatch (SDPA by default)."""
+BACKENDS = (OPENVC, FA4, SDPA)
 
 # "28-29": an inclusive range of layer or step indices.
 _RANGE = re.compile(r"\s*([0-9]+)\s*-\s*([0-9]+)\s*")
@@ -46,7 +49,7 @@ class OpenVCConfig:
     # error where K channels carry offsets, at the cost of one reduction over K.
     smooth_k: bool = True
     # Backend for cross-attention (text/image context).
-    cross_attention: str = "sdpa"
+    cross_attention: str = SDPA
     # Layer indices forced to BF16 (the backends chain without "openvc").
     bf16_layers: frozenset[int] = frozenset()
     # Denoising step indices (0-based) forced to BF16.
@@ -209,8 +212,8 @@ def _backends(key: str, value: Any) -> tuple[str, ...]:
         _backend(key, name)
     if len(set(value)) != len(value):
         _fail(key, value, "each backend at most once")
-    if "sdpa" not in value:
-        _fail(key, value, "a list that includes 'sdpa': it is the one backend that runs everywhere")
+    if SDPA not in value:
+        _fail(key, value, f"a list that includes {SDPA!r}: it is the one backend that runs everywhere")
     return tuple(value)
 
 

@@ -12,14 +12,12 @@ from openvc_kernels.support import HEAD_DIM
 from openvc_kernels.validation import INPUT_DTYPES, check_qkv
 
 from .backends import fa4_unavailable_reason
-from .config import OpenVCConfig
+from .config import FA4, OPENVC, SDPA, OpenVCConfig
 
-OPENVC_KERNEL = "openvc"
+OPENVC_KERNEL = OPENVC
 """The FP8 ExpCast kernel on Hopper."""
 OPENVC_REFERENCE = "openvc-reference"
 """The PyTorch reference of the same kernel: Open-VC numerics off the GPU, slowly."""
-FA4 = "fa4"
-SDPA = "sdpa"
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,7 @@ class Decision:
 def chain(config: OpenVCConfig, call: Call) -> tuple[tuple[str, ...], str | None]:
     """The backends to try in order, and why Open-VC was left out of it, if it was."""
     if call.is_cross:
-        fallbacks = tuple(b for b in config.backends if b not in ("openvc", config.cross_attention))
+        fallbacks = tuple(b for b in config.backends if b not in (OPENVC, config.cross_attention))
         return (config.cross_attention,) + fallbacks, None
     if call.needs_grad:
         return _without_openvc(config), "autograd needs gradients through this call; Open-VC is forward-only"
@@ -69,7 +67,7 @@ def chain(config: OpenVCConfig, call: Call) -> tuple[tuple[str, ...], str | None
 
 
 def _without_openvc(config: OpenVCConfig) -> tuple[str, ...]:
-    return tuple(b for b in config.backends if b != "openvc")
+    return tuple(b for b in config.backends if b != OPENVC)
 
 
 def openvc_unavailable_reason(config: OpenVCConfig, call: Call) -> str | None:
@@ -112,12 +110,12 @@ def decide(config: OpenVCConfig, call: Call) -> Decision:
     backends, skipped = chain(config, call)
     reasons = [skipped] if skipped else []
     for name in backends:
-        if name == "openvc":
+        if name == OPENVC:
             reason = openvc_unavailable_reason(config, call)
             if reason is None:
                 on_cpu = call.query.device.type == "cpu"
                 return Decision(OPENVC_REFERENCE if on_cpu else OPENVC_KERNEL, tuple(reasons))
-        elif name == "fa4":
+        elif name == FA4:
             reason = fa4_unavailable_reason(call.query, call.has_mask)
             if reason is None:
                 return Decision(FA4, tuple(reasons))

@@ -94,3 +94,11 @@ def test_full_size_model_has_wan_shapes(single_block_14b):
     if not single_block_14b:
         # 1.42B: Wan2.1-T2V-1.3B's transformer, 2.84 GB in bfloat16.
         assert sum(p.numel() for p in model.parameters()) == 1_418_996_800
+
+
+def test_clocks_without_nvidia_smi_are_empty(monkeypatch):
+    # The benchmarks record clocks on every run; a machine without nvidia-smi (the CPU runs) records nothing.
+    from openvc_diffusers import gpu_state
+
+    monkeypatch.setattr(gpu_state, "CLOCKS_QUERY", ["no-such-program-openvc"])
+    assert gpu_state.clocks() == ""
