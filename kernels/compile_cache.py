@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from .sm90.target import ARCH, default_to_sm90
+from .sm90.target import ARCH
 from .support import REINSTALL, KernelUnavailableError, missing_package_reason
 
 CACHE_ENV = "OPENVC_KERNEL_CACHE"
@@ -61,7 +61,7 @@ def kernel_path(name: str) -> Path:
 def load_or_compile(name: str, compile_fn: Callable[[], Callable]) -> Callable:
     """The kernel variant ``name`` (letters, digits, underscores) from memory, from disk, or ``compile_fn()``.
 
-    ``compile_fn`` returns a ``cute.compile(..., options="--enable-tvm-ffi")`` result; the loaded and the
+    ``compile_fn`` returns a ``cute.compile(..., options=COMPILE_OPTIONS)`` result; the loaded and the
     compiled kernel take the same arguments. A cache that cannot be read or written costs a compile, never
     a failure; a missing package or a failed compile raises ``KernelUnavailableError`` naming cause and fix.
     """
@@ -70,7 +70,6 @@ def load_or_compile(name: str, compile_fn: Callable[[], Callable]) -> Callable:
     missing = missing_package_reason()
     if missing is not None:
         raise KernelUnavailableError(missing)
-    default_to_sm90()
     import cutlass.cute as cute
 
     path, symbol = kernel_path(name), f"openvc_{name}"

@@ -15,7 +15,7 @@ from .expcast import codes_per_dot
 from .sm90.config import ForwardConfig
 from .preparation import Prepared, PrepareOptions
 from .sm90.layout import PV_N
-from .sm90.target import default_to_sm90, row_major_fake
+from .sm90.target import COMPILE_OPTIONS, row_major_fake
 from .quant import BLOCK, num_blocks, softmax_scale_or_default
 from .split import TailSplit, plan_tail_split
 from .forward_only import raise_on_backward
@@ -26,12 +26,11 @@ OUT_DTYPE = torch.bfloat16
 
 
 def compile_attention(config: ForwardConfig, kernel_class: type | None = None):
-    """Compile the sm90 forward kernel of ``config``; no GPU needed (``CUTE_DSL_ARCH`` defaults to sm_90a).
+    """Compile the sm90 forward kernel of ``config`` for sm_90a; no GPU needed.
 
     Shapes are symbolic: one compiled kernel serves every batch, head count and sequence length.
     ``kernel_class`` (default ``ExpCastAttentionSm90``) is where notes/probe_*.py put their variants.
     """
-    default_to_sm90()
     import cutlass
     import cutlass.cute as cute
 
@@ -62,7 +61,7 @@ def compile_attention(config: ForwardConfig, kernel_class: type | None = None):
     )
     kernel = (kernel_class or ExpCastAttentionSm90)(config)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(kernel, *fake, stream, options="--enable-tvm-ffi")
+    return cute.compile(kernel, *fake, stream, options=COMPILE_OPTIONS)
 
 
 def _kernel(config: ForwardConfig):

@@ -17,7 +17,7 @@ from .quant import BLOCK, apply_descale_guards, channel_mean, num_blocks, softma
 from .repair import choose_repair_tokens, repair_count
 from .sm90.layout import HEAD_DIM, PV_N
 from .sm90.prep import AbsmaxPerHead, PackV, QuantizePerBlock
-from .sm90.target import default_to_sm90, row_major_fake
+from .sm90.target import COMPILE_OPTIONS, row_major_fake
 
 INPUT_ALIGN = 16
 """Bytes: the vector width of every global access of the preparation kernels."""
@@ -49,11 +49,9 @@ def load_prep(kind: str, dtype: torch.dtype):
 
 
 def compile_prep(kind: str, dtype: torch.dtype):
-    """Compile one preparation kernel (one of ``PREP_KINDS``) for fp16 or bf16 inputs; set
-    ``CUTE_DSL_ARCH=sm_90a`` to compile without a GPU."""
+    """Compile one preparation kernel (one of ``PREP_KINDS``) for fp16 or bf16 inputs, for sm_90a; no GPU needed."""
     if kind not in PREP_KINDS:
         raise ValueError(f"unknown preparation kernel {kind!r}; known: {', '.join(PREP_KINDS)}")
-    default_to_sm90()
     x = _input_fake(TORCH_TO_CUTLASS[dtype])
     b, h, s_pad = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=BLOCK)
     per_head = row_major_fake(Float32, (b, h), 4)
@@ -67,7 +65,7 @@ def compile_prep(kind: str, dtype: torch.dtype):
     else:
         energy = row_major_fake(Float32, (b, h, cute.sym_int()), 4) if kind == "pack_v_energy" else None
         args = (PackV(), x, per_head, _rows_fake((b, h, PV_N, s_pad)), row_major_fake(Float32, (b, h), 4), energy)
-    return cute.compile(*args, stream, options="--enable-tvm-ffi")
+    return cute.compile(*args, stream, options=COMPILE_OPTIONS)
 
 
 

@@ -1,15 +1,10 @@
 """Compiling the sm90 kernels on any machine, with or without a GPU: the target, and the fake tensors that stand for
 the arguments at compile time (shapes symbolic, so one compiled kernel serves every shape)."""
 
-import os
-
 ARCH = "sm_90a"
-ARCH_ENV = "CUTE_DSL_ARCH"
-
-
-def default_to_sm90() -> None:
-    """Compile for sm_90a unless ``CUTE_DSL_ARCH`` says otherwise: without a GPU the DSL has no device to ask."""
-    os.environ.setdefault(ARCH_ENV, ARCH)
+COMPILE_OPTIONS = f"--enable-tvm-ffi --gpu-arch {ARCH}"
+"""``cute.compile`` options of every kernel here: TVM-FFI calls, and the target named, not read from
+``CUTE_DSL_ARCH`` (the DSL reads that variable once, when first imported, and asks the GPU where there is one)."""
 
 
 def row_major_fake(dtype, shape: tuple, align: int):
