@@ -120,5 +120,8 @@ def test_whole_model_compiles_into_one_dynamic_graph_with_the_backend(wan):
     compiled_model = torch.compile(model, fullgraph=True, dynamic=True, backend=counter)
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = outputs(compiled_model, inputs)
-    assert counter.frame_count == 1
+    # Not counter.frame_count: with dynamic=True, torch 2.11's inductor restarts the analysis once (its
+    # tensorify_python_scalars pass), which calls the backend twice for the one graph; stock attention does the same.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
     assert all(rel_l2(c, e) < INDUCTOR_REL_L2 for c, e in zip(compiled, eager))
