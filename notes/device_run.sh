@@ -10,6 +10,7 @@
 #   pipeline  examples/bench_pipeline.py ${PIPELINE_ARGS}
 #   ulysses   torchrun examples/bench_ulysses.py on every GPU of the machine ${ULYSSES_ARGS}
 #   probe     notes/${PROBE} (default probe_variants.py), a same-process comparison of kernel variants
+#   ring      examples/bench_ring_shards.py ${RING_ARGS} (R simulated key shards merged by their lse, vs the unsplit call)
 #   inputs    examples/capture.py (tiny Wan on the GPU, ${CAPTURE_ARGS}) then bench_attention.py --inputs on its file
 # Wheels: notes/clean_wheels.sh writes what a fresh `pip install .` resolves (less torch and its CUDA libraries,
 # the image's own) into .whl/c1 .. .whl/cN, one folder per call (carry [".whl/cK"]). Each call stashes what it
@@ -84,5 +85,8 @@ for stage in ${STAGES:-none}; do
     bench)
       timeout -k 5 ${BENCH_TIMEOUT:-280} python3 examples/bench_attention.py ${BENCH_ARGS:-} --json $OUT/bench.json 2>&1 \
         | tee $OUT/bench.log ;;
+    ring)
+      timeout -k 5 ${RING_TIMEOUT:-200} python3 examples/bench_ring_shards.py ${RING_ARGS:-} --json $OUT/bench_ring.json \
+        2>&1 | tee $OUT/bench_ring.log | tail -n 20 ;;
   esac
 done
