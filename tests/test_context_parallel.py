@@ -91,6 +91,12 @@ def _worker(rank: int, world: int, out_dir: str, runs: list) -> None:
                 results[name] = _through_apply(degrees, policy, shapes)
             elif route == "enable_parallelism":
                 results[name] = _through_enable_parallelism(degrees, policy, shapes)
+            elif route == "enable_parallelism_refused":
+                try:
+                    _through_enable_parallelism(degrees, policy, shapes)
+                    results[name] = None
+                except (ValueError, RuntimeError) as e:
+                    results[name] = str(e)
             else:  # a sharding this world cannot take
                 results[name] = _refusal(degrees)
         torch.save(results, f"{out_dir}/rank{rank}.pt")
@@ -139,6 +145,8 @@ def four_ranks(tmp_path_factory):
         ("unified", "apply", (2, 2), POLICY, [ALIGNED]),
         ("unified_backend", "enable_parallelism", (2, 2), POLICY, [ALIGNED]),
         ("too_few", "refused", (1, 2), POLICY, []),
+        # Last: the ranks outside diffusers' mesh of 2 fail as it is built, the two inside at the first attention call.
+        ("too_few_backend", "enable_parallelism_refused", (1, 2), POLICY, [ALIGNED]),
     ]
     return _spawn(tmp_path_factory, 4, runs)
 
@@ -180,6 +188,11 @@ def test_degrees_must_make_the_world(two_ranks, four_ranks):
         )
     for saved in four_ranks:
         assert saved["too_few"].startswith("parallel.ring_degree 2 needs a world of 2 processes, got 4")
+    for saved in four_ranks[:2]:
+        assert saved["too_few_backend"] == (
+            "ContextParallelConfig(ulysses_degree=1, ring_degree=2) shards over 2 processes, the world has 4: "
+            "make ulysses_degree x ring_degree the world size (or pass a mesh)"
+        )
 
 
 def test_context_parallel_needs_torch_distributed():
