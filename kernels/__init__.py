@@ -4,6 +4,7 @@ The PyTorch reference here is the oracle; the Hopper implementation lives in ``s
 """
 
 from .expcast import expcast_decode, expcast_encode
+from .merge import merge_attention
 from .ops import attention, attention_prepared, prepare
 from .reference import reference_attention, visiting_order
 from .preparation import Prepared, PrepareOptions, prepare_reference
@@ -18,6 +19,7 @@ __all__ = [
     "expcast_decode",
     "expcast_encode",
     "kernel_unavailable_reason",
+    "merge_attention",
     "prepare",
     "prepare_reference",
     "reference_attention",

@@ -23,6 +23,15 @@ CODES_PER_NAT = 8.0 * math.log2(math.e)
 LOG2_PER_CODE = 0.125
 """One code step is 1/8 octave: moving a row's anchor by k codes scales its probabilities (and sums) by 2^(k/8)."""
 
+LSE_CODE_OFFSET = EXPCAST_BIAS - 8 * 8
+"""119.65 - 64: ExpCast encodes ``2^z * 256`` so that it decodes, on average over the code grid, to
+``2^((c - LSE_CODE_OFFSET) / 8)`` (8 codes per octave, the 2^8 factor taken out): a row of sums ``l`` on anchor
+``a`` is ``sum_j exp(tau t_j) * 2^((a - LSE_CODE_OFFSET) / 8)``, beta included (with 56, the code of 1.0, the log-sum-exp
+would come out 0.35 codes, 0.03 nats, high)."""
+
+LN2 = math.log(2.0)
+"""ln 2: the log-sum-exp is formed in octaves (the kernel's log2) and turned into nats once."""
+
 CODE_UNIT = 2.0**-24
 """FP16's smallest subnormal. The kernel's FFMA writes a code c as c * 2^-24; converting that to FP16 rounds it to
 the subnormal grid (the RNE of the code) and leaves c as the FP16 word, so its low byte is the E4M3 byte."""
@@ -63,6 +72,14 @@ def anchored_encode(raw: torch.Tensor, coef: torch.Tensor, anchor: torch.Tensor)
     unit = torch.tensor(CODE_UNIT, dtype=torch.float32)
     scaled = torch.addcmul((anchor.float() * unit).double(), raw.double(), (coef.float() * unit).double())
     return torch.round(scaled.float().double() / CODE_UNIT).clamp_(0, MAX_CODE).to(torch.uint8)
+
+
+def row_lse(l: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """Each row's natural log-sum-exp of its scaled scores ``tau q . k`` from its sums ``l`` on its final ``anchor``:
+    ``fp32(fp32(log2(l) + (LSE_CODE_OFFSET - anchor) / 8) * LN2)``, the kernel's FP32 steps (the division by 8
+    exact, ``log2`` its MUFU lg2 there)."""
+    octaves = torch.log2(l.float()) + (torch.tensor(LSE_CODE_OFFSET, dtype=torch.float32) - anchor) * LOG2_PER_CODE
+    return octaves * torch.tensor(LN2, dtype=torch.float32)
 
 
 def code_anchor(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -25,21 +25,22 @@ class _RaiseOnBackward(torch.autograd.Function):
     """Runs ``compute(q, k, v)`` (without recording it) as one node whose backward raises."""
 
     @staticmethod
-    def forward(ctx, compute: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, compute: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         return compute(q, k, v)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, *grad_outputs: torch.Tensor):
         raise RuntimeError(FORWARD_ONLY)
 
 
-def forward_only(compute: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``compute(q, k, v)``; where autograd records the call, its output's backward raises ``FORWARD_ONLY``."""
+def forward_only(compute: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """``compute(q, k, v)`` (a tensor, or a tuple of them: the output and its log-sum-exp); where autograd records
+    the call, a backward through any of its outputs raises ``FORWARD_ONLY``."""
     if needs_grad(q, k, v):
         return _RaiseOnBackward.apply(compute, q, k, v)
     return compute(q, k, v)
 
 
-def raise_on_backward(ctx, grad_out: torch.Tensor):
-    """The backward registered for the kernel's custom op."""
+def raise_on_backward(ctx, *grad_outputs: torch.Tensor):
+    """The backward registered for the kernel's custom ops."""
     raise RuntimeError(FORWARD_ONLY)

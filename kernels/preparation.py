@@ -65,12 +65,21 @@ def write_repair_rows(prepared: Prepared, v: torch.Tensor, tokens: torch.Tensor)
 
 
 def prepare_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: PrepareOptions = PrepareOptions()
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    options: PrepareOptions = PrepareOptions(),
+    *,
+    v_absmax: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
 ) -> Prepared:
     """The preparation in PyTorch, from ``(B, S, H, 128)`` q, k, v: the bytes the fused kernels must write.
-    The repair keys come from the residual energies summed by PyTorch."""
+    The repair keys come from the residual energies summed by PyTorch. ``v_absmax`` and ``k_mean`` replace this
+    call's own V absmax and (with ``smooth_k``) K mean, as in ``reference_attention``."""
     tau = softmax_scale_or_default(options.softmax_scale, q.shape[-1])
-    q8, d_q, k8, d_k, v8, d_v = quantize_inputs(q, k, v, smooth_k=options.smooth_k, softmax_scale=tau)
+    q8, d_q, k8, d_k, v8, d_v = quantize_inputs(
+        q, k, v, smooth_k=options.smooth_k, softmax_scale=tau, v_absmax=v_absmax, k_mean=k_mean
+    )
     count = repair_count(k.shape[1], options.repair_ratio)
     room = padded_len(count)
     k8 = torch.nn.functional.pad(k8.view(torch.uint8), (0, 0, 0, room))

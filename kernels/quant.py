@@ -47,10 +47,11 @@ def quantize_per_block(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x8, descale
 
 
-def quantize_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(B, H, S, D)`` -> FP8 ``(B, H, S, D)`` and descales ``(B, H)``, both contiguous."""
+def quantize_per_head(x: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, H, S, D)`` -> FP8 ``(B, H, S, D)`` and descales ``(B, H)``, both contiguous; scaled by ``absmax``
+    (B, H) where given (a ring's all-shards V absmax), else by x's own."""
     x = x.float()
-    scale, descale = _scale_and_descale(x.abs().amax(dim=(2, 3)))
+    scale, descale = _scale_and_descale(x.abs().amax(dim=(2, 3)) if absmax is None else absmax)
     return to_e4m3(x * scale[..., None, None]).contiguous(), descale
 
 
@@ -95,15 +96,25 @@ class Quantized(NamedTuple):
 
 
 def quantize_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool, softmax_scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    smooth_k: bool,
+    softmax_scale: float,
+    v_absmax: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
 ) -> Quantized:
-    """The kernel's quantization of ``(B, S, H, D)`` q, k, v: Q and K per block (K minus its channel mean with
-    ``smooth_k``), V per head, and the descale guards. The reference and the PyTorch preparation both start here;
-    the fused preparation writes the same bytes and applies the same guards (``apply_descale_guards``)."""
+    """The kernel's quantization of ``(B, S, H, D)`` q, k, v: Q and K per block (K minus ``smoothing_mean(k,
+    k_mean)`` with ``smooth_k``), V per head (by ``v_absmax`` (B, H) where given), and the descale guards. The
+    reference and the PyTorch preparation both start here; the fused preparation writes the same bytes and applies
+    the same guards (``apply_descale_guards``)."""
     q8, d_q = quantize_per_block(q.transpose(1, 2))
     k_heads = k.transpose(1, 2)
-    k8, d_k = quantize_per_block(smooth_keys(k_heads) if smooth_k else k_heads)
-    v8, d_v = quantize_per_head(v.transpose(1, 2))
+    if smooth_k:
+        k_heads = k_heads.float() - smoothing_mean(k, k_mean)[:, :, None]
+    k8, d_k = quantize_per_block(k_heads)
+    v8, d_v = quantize_per_head(v.transpose(1, 2), v_absmax)
     d_q, d_v = apply_descale_guards(d_q, d_k, d_v, softmax_scale, head_dim=q.shape[-1])
     return Quantized(q8, d_q, k8, d_k, v8, d_v)
 
@@ -123,13 +134,21 @@ def channel_mean(k: torch.Tensor) -> torch.Tensor:
     return k.mean(dim=2, keepdim=True, dtype=torch.float32)
 
 
-def smooth_keys(k: torch.Tensor) -> torch.Tensor:
-    """K minus its ``channel_mean``, in FP32: ``(B, H, S, D)``.
+def smoothing_mean(k: torch.Tensor, k_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-channel mean K smoothing subtracts from ``(B, S, H, D)`` k: ``k_mean`` (B, H, D) where given (a ring's
+    all-keys mean), else this call's ``channel_mean``: ``(B, H, D)`` FP32.
 
     Every score of a query row moves by the same ``q . mean``, so softmax is unchanged in exact math, while
     the per-block K scales stop being set by channel offsets that video DiTs carry.
     """
-    return k.float() - channel_mean(k)
+    return k_mean if k_mean is not None else channel_mean(k.transpose(1, 2)).squeeze(2)
+
+
+def smoothing_lse_shift(q: torch.Tensor, mean: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """``tau * (q . mean)`` in FP32 per row of ``(B, S_q, H, D)`` q: ``(B, S_q, H)``. Smoothing took it off every score
+    of the row (``mean``: the ``smoothing_mean`` subtracted), so adding it to the row's log-sum-exp gives that of the
+    true scaled scores ``tau q . k``. The reference and the kernel's host side both add it here."""
+    return torch.einsum("bshd,bhd->bsh", q.float(), mean) * softmax_scale
 
 
 def softmax_scale_or_default(softmax_scale: float | None, head_dim: int) -> float:

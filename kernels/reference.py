@@ -35,12 +35,19 @@ from typing import NamedTuple
 
 import torch
 
-from .expcast import LOG2_PER_CODE, anchored_encode, code_anchor, codes_per_dot, expcast_decode
+from .expcast import LOG2_PER_CODE, anchored_encode, code_anchor, codes_per_dot, expcast_decode, row_lse
 from .forward_only import forward_only
-from .quant import BLOCK, num_blocks, quantize_inputs, softmax_scale_or_default
+from .quant import (
+    BLOCK,
+    num_blocks,
+    quantize_inputs,
+    smoothing_lse_shift,
+    smoothing_mean,
+    softmax_scale_or_default,
+)
 from .repair import gather_tokens, rank_repair_tokens, repair_count, repair_descales, repair_values
 from .split import merge_pieces, piece_steps, plan_tail_split
-from .validation import check_attention_args
+from .validation import check_attention_args, check_shared_scales
 from .wgmma import PV_PROMOTE_EVERY, wgmma_e4m3_dot
 
 ACCUMULATIONS = ("exact", "wgmma")
@@ -185,12 +192,15 @@ def reference_attention(
     accumulation: str = "exact",
     sm_count: int | None = None,
     promote_every: int = PV_PROMOTE_EVERY,
-) -> torch.Tensor:
+    return_lse: bool = False,
+    v_absmax: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Open-VC attention on ``(B, S, H, D)`` inputs (fp16, bf16 or fp32), BF16 output ``(B, S_q, H, D)``.
 
     ``softmax_scale`` defaults to ``1 / sqrt(D)``; ``repair_ratio`` is rho of V residual repair (0 = off);
     ``window`` is the mid-window traversal's look-ahead in tiles (``None`` = plain order); ``smooth_k``
-    subtracts each head's per-channel mean of K before quantizing (``quant.smooth_keys``);
+    subtracts each head's per-channel mean of K before quantizing (``quant.smoothing_mean``);
     ``repair_ranking`` orders repair candidates by residual energy times ``repair.attention_mass``
     ("attention") or by residual energy alone ("energy"); ``accumulation="wgmma"`` adds up Q8 . K8 and P . V8
     (numerator and denominator) as the Hopper kernel's FP8 wgmma does (``wgmma.py``: 14 significant bits, cut
@@ -198,8 +208,16 @@ def reference_attention(
     of the kernel it follows), "exact" in FP32.
     ``sm_count``: the SMs of the GPU the kernel runs on, whose last wave of query tiles it splits
     (``split.py``); None: no split. Forward-only: a backward through the output raises (``forward_only``).
+
+    ``return_lse``: return ``(out, lse)``, lse FP32 ``(B, S_q, H)``: each row's natural log-sum-exp of its scaled
+    scores ``tau q . k``, the quantity ``out`` is normalised by (``expcast.row_lse`` of the row's denominator on its
+    final anchor; with ``smooth_k`` plus ``quant.smoothing_lse_shift``). ``v_absmax`` (B, H) FP32: V's per-head
+    absmax to quantize V with instead of this call's own; ``k_mean`` (B, H, D) FP32, with ``smooth_k``: the mean to
+    subtract instead of this call's keys' own. A ring of K/V shards passes the all-shards values, so that every
+    shard quantizes as the unsplit call does and the shards' ``(out, lse)`` merge (``merge_attention``) into it.
     """
     check_attention_args(q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking)
+    check_shared_scales(q, k, smooth_k=smooth_k, v_absmax=v_absmax, k_mean=k_mean)
     if accumulation not in ACCUMULATIONS:
         raise ValueError(f"accumulation must be one of {', '.join(map(repr, ACCUMULATIONS))}, got {accumulation!r}")
     if sm_count is not None and (isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1):
@@ -216,12 +234,29 @@ def reference_attention(
         like_wgmma=accumulation == "wgmma",
         sm_count=sm_count,
         promote_every=promote_every,
+        return_lse=return_lse,
+        v_absmax=v_absmax,
+        k_mean=k_mean,
     )
     return forward_only(simulate, q, k, v)
 
 
 def _simulate(
-    q, k, v, *, softmax_scale, repair_ratio, window, smooth_k, repair_ranking, like_wgmma, sm_count, promote_every
+    q,
+    k,
+    v,
+    *,
+    softmax_scale,
+    repair_ratio,
+    window,
+    smooth_k,
+    repair_ranking,
+    like_wgmma,
+    sm_count,
+    promote_every,
+    return_lse,
+    v_absmax,
+    k_mean,
 ):
     """``reference_attention`` on checked arguments."""
     batch, s_q, heads, dim = q.shape
@@ -229,7 +264,10 @@ def _simulate(
     tau = softmax_scale_or_default(softmax_scale, dim)
     n_q, n_k = num_blocks(s_q), num_blocks(s_k)
 
-    q8, d_q, k8, d_k, v8, d_v = quantize_inputs(q, k, v, smooth_k=smooth_k, softmax_scale=tau)
+    mean = smoothing_mean(k, k_mean) if smooth_k else None
+    q8, d_q, k8, d_k, v8, d_v = quantize_inputs(
+        q, k, v, smooth_k=smooth_k, softmax_scale=tau, v_absmax=v_absmax, k_mean=mean
+    )
 
     pairs = batch * heads
     valid = (torch.arange(n_k * BLOCK, device=q.device) < s_k).view(n_k, BLOCK)
@@ -264,14 +302,23 @@ def _simulate(
     plan = plan_tail_split(units, n_k, sm_count, repair=count > 0)
     whole = slice(0, plan.whole_units)
     visit = functools.partial(_visit, keys=keys, like_wgmma=like_wgmma, promote_every=promote_every)
-    acc, l, _ = visit(q_units[whole], s[whole], bh[whole], order[whole], range(n_k), repair=count > 0)
+    acc, l, anchor = visit(q_units[whole], s[whole], bh[whole], order[whole], range(n_k), repair=count > 0)
     if plan.splits > 1:
         tail = slice(plan.whole_units, units)
         tail_units = (q_units[tail], s[tail], bh[tail], order[tail])
         pieces = [visit(*tail_units, piece_steps(p, plan.splits, n_k), repair=False) for p in range(plan.splits)]
-        acc_tail, l_tail = merge_pieces(pieces)
-        acc, l = torch.cat([acc, acc_tail]), torch.cat([l, l_tail])
+        acc_tail, l_tail, anchor_tail = merge_pieces(pieces)
+        acc, l, anchor = torch.cat([acc, acc_tail]), torch.cat([l, l_tail]), torch.cat([anchor, anchor_tail])
 
-    out = acc * (d_v.reshape(pairs)[bh, None] / l)[..., None]
+    d_v_unit = d_v.reshape(pairs)[bh, None]
+    out = acc * (d_v_unit / l)[..., None]
     out = out.view(batch, heads, n_q * BLOCK, dim)[:, :, :s_q]
-    return out.transpose(1, 2).to(torch.bfloat16)
+    out = out.transpose(1, 2).to(torch.bfloat16)
+    if not return_lse:
+        return out
+    # d_v - d_v: 0, or NaN for a head with a non-finite input (``quant.poison_non_finite``), whose lse is NaN too.
+    lse = row_lse(l, anchor) + (d_v_unit - d_v_unit)
+    lse = lse.view(batch, heads, n_q * BLOCK)[:, :, :s_q].transpose(1, 2)
+    if smooth_k:
+        lse = lse + smoothing_lse_shift(q, mean, tau)
+    return out, lse

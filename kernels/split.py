@@ -65,9 +65,12 @@ def piece_steps(piece: int, splits: int, key_tiles: int) -> range:
     return range(piece * key_tiles // splits, (piece + 1) * key_tiles // splits)
 
 
-def merge_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_pieces(
+    pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's merge of ``(acc (..., D), l (...), anchor (...))`` per piece, in piece order: FP32 sums, each
-    step one FMA (emulated in float64 and rounded once) with the factor ``2^((min anchor - anchor_p) / 8)``."""
+    step one FMA (emulated in float64 and rounded once) with the factor ``2^((min anchor - anchor_p) / 8)``.
+    Returns the merged ``acc``, ``l`` and the anchor they sit on, the lowest (the row's log-sum-exp needs it)."""
     anchor = torch.stack([a for _, _, a in pieces]).amin(dim=0)
     acc = torch.zeros_like(pieces[0][0])
     l = torch.zeros_like(pieces[0][1])
@@ -75,5 +78,5 @@ def merge_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) 
         factor = torch.exp2((anchor - anchor_p) * LOG2_PER_CODE).double()
         acc = (factor[..., None] * acc_p.double() + acc.double()).float()
         l = (factor * l_p.double() + l.double()).float()
-    return acc, l
+    return acc, l, anchor
 

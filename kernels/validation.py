@@ -73,3 +73,37 @@ def check_repair_ratio(repair_ratio: float) -> None:
         or not 0.0 <= repair_ratio <= MAX_REPAIR_RATIO
     ):
         raise ValueError(f"repair_ratio must be a finite number in [0, {MAX_REPAIR_RATIO}], got {repair_ratio!r}")
+
+
+def check_shared_scales(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    smooth_k: bool,
+    v_absmax: torch.Tensor | None,
+    k_mean: torch.Tensor | None,
+    values: bool = True,
+) -> None:
+    """Raise ``ValueError`` unless ``v_absmax`` and ``k_mean`` are None or FP32 tensors on q's device of shapes
+    (B, H) and (B, H, D) for ``(B, S, H, D)`` k, ``k_mean`` only with ``smooth_k``; with ``values``, also finite and
+    ``v_absmax >= 0`` (a check that waits for the device: callers skip it while capturing a CUDA graph)."""
+    b, _, h, d = k.shape
+    if k_mean is not None and not smooth_k:
+        raise ValueError("k_mean is the mean K smoothing subtracts: pass it with smooth_k=True, or leave it None")
+    for name, x, shape in (("v_absmax", v_absmax, (b, h)), ("k_mean", k_mean, (b, h, d))):
+        if x is None:
+            continue
+        dims = "(batch, heads, head_dim)" if len(shape) == 3 else "(batch, heads)"
+        accepted = f"accepted: None or a float32 tensor of shape {dims} = {shape} on {q.device}"
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}; {accepted}")
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; {accepted}")
+        if x.dtype != torch.float32:
+            raise ValueError(f"{name} has dtype {x.dtype}; {accepted}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}; {accepted}")
+        if values and not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{name} holds inf or NaN; accepted: finite values")
+        if values and name == "v_absmax" and bool((x < 0).any()):
+            raise ValueError(f"v_absmax holds negative values (min {x.min().item():g}); accepted: absmaxes >= 0")

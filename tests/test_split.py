@@ -54,7 +54,7 @@ def test_merge_brings_pieces_onto_the_lowest_anchor():
     acc = [torch.full((1, 2, 3), 4.0), torch.full((1, 2, 3), 6.0)]
     l = [torch.full((1, 2), 1.0), torch.full((1, 2), 3.0)]
     anchor = [torch.tensor([[100.0, 108.0]]), torch.tensor([[108.0, 100.0]])]
-    merged_acc, merged_l = merge_pieces(list(zip(acc, l, anchor)))
+    merged_acc, merged_l, _ = merge_pieces(list(zip(acc, l, anchor)))
     assert torch.equal(merged_acc[0, 0], torch.full((3,), 4.0 + 6.0 / 2))
     assert torch.equal(merged_acc[0, 1], torch.full((3,), 4.0 / 2 + 6.0))
     assert torch.equal(merged_l, torch.tensor([[1.0 + 1.5, 0.5 + 3.0]]))
@@ -64,9 +64,9 @@ def test_merge_adds_in_piece_order():
     """One FMA per piece from 0, pieces in order: 1 + 2^-24 + 2^-24 rounds to 1 twice, to 1 + 2^-23 otherwise."""
     one, tiny = torch.ones(1, 1, 1), torch.full((1, 1, 1), 2.0**-24)
     anchor, l = torch.zeros(1, 1), torch.ones(1, 1)
-    acc, _ = merge_pieces([(one, l, anchor), (tiny, l, anchor), (tiny, l, anchor)])
+    acc, _, _ = merge_pieces([(one, l, anchor), (tiny, l, anchor), (tiny, l, anchor)])
     assert acc.item() == 1.0
-    acc, _ = merge_pieces([(tiny, l, anchor), (tiny, l, anchor), (one, l, anchor)])
+    acc, _, _ = merge_pieces([(tiny, l, anchor), (tiny, l, anchor), (one, l, anchor)])
     assert acc.item() == 1.0 + 2.0**-23
 
 

@@ -143,7 +143,7 @@ def _to_e4m3(x: cute.TensorSSA, scale: Float32) -> cute.TensorSSA:
 
 @cute.jit
 def _minus_channel_mean(x: cute.TensorSSA, mean: cute.Tensor, coords: cute.Tensor, seq_len: Int32) -> cute.TensorSSA:
-    """``x - mean[channel]`` in FP32 for real tokens (``quant.smooth_keys``); padding tokens stay 0, as the
+    """``x - mean[channel]`` in FP32 for real tokens (``quant.smoothing_mean``); padding tokens stay 0, as the
     reference pads after smoothing. ``mean``: this head's (128,) FP32 channel means; the thread's 16 channels
     are the same in every pass, so their means are loaded once."""
     centered = cute.make_rmem_tensor(x.shape, Float32)
