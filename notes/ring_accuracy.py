@@ -3,6 +3,8 @@ against one call over the whole sequence, and of both against float64 attention,
 
     python notes/ring_accuracy.py            # S = 4096 and 4000 (shards not a multiple of 128), R = 2, 4, 8
 
+A second table: the same ring with each shard's own V absmax or K mean instead of the all-keys ones.
+
 Each rank's part is computed as ``ring.ring_attention`` computes it (``attend_key_shards`` with V's absmax and K's
 channel mean over all keys), here in one process: the rank's query shard against every K/V shard, merged.
 """
@@ -24,9 +26,10 @@ def exact(q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
 
 
-def ring(q, k, v, degree: int, options: dict) -> torch.Tensor:
-    v_absmax = v.abs().amax(dim=(1, 3)).float()
-    k_mean = k.mean(dim=1, dtype=torch.float32) if options["smooth_k"] else None
+def ring(q, k, v, degree: int, options: dict, share_v: bool = True, share_k: bool = True) -> torch.Tensor:
+    """The ring's output for all queries; ``share_v`` / ``share_k`` False: each shard call's own V absmax / K mean."""
+    v_absmax = v.abs().amax(dim=(1, 3)).float() if share_v else None
+    k_mean = k.mean(dim=1, dtype=torch.float32) if options["smooth_k"] and share_k else None
     shard = functools.partial(openvc_kernels.reference_attention, **options)
     k_shards, v_shards = k.chunk(degree, dim=1), v.chunk(degree, dim=1)
     parts = [
@@ -65,6 +68,15 @@ def main() -> None:
                         f"{rel_l2(whole, truth):.4%} | {rel_l2(out, truth):.4%} |",
                         flush=True,
                     )
+    print()
+    print("| K offsets, S = 4096, R = 4 | ring vs unsplit | ring vs float64 |")
+    print("|---|---|---|")
+    q, k, v = inputs("K offsets", 4096, seed=1)
+    options = dict(repair_ratio=0.0, smooth_k=True, window=4)
+    whole, truth = openvc_kernels.reference_attention(q, k, v, **options), exact(q, k, v)
+    for name, share_v, share_k in (("shared", True, True), ("own V absmax", False, True), ("own K mean", True, False)):
+        out = ring(q, k, v, 4, options, share_v=share_v, share_k=share_k)
+        print(f"| {name} | {rel_l2(out, whole):.2e} | {rel_l2(out, truth):.4%} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -154,7 +154,9 @@ def _from_mapping(data: Mapping[str, Any]) -> OpenVCConfig:
     if "parallel" in data:
         parallel = data["parallel"]
         if not isinstance(parallel, Mapping):
-            raise ConfigError(f"parallel: got {parallel!r}; expected a mapping such as {{ulysses_degree: 2, ring_degree: 2}}")
+            raise ConfigError(
+                f"parallel: got {parallel!r}; expected a mapping such as {{ulysses_degree: 2, ring_degree: 2}}"
+            )
         _check_keys(parallel, _PARALLEL_KEYS, prefix="parallel.")
         kwargs.update(parallel)
     return OpenVCConfig(**kwargs)

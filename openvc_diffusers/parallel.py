@@ -44,7 +44,10 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paralle
         return attend(query, key, value, ring_group, cp.ring_degree)
 
     # No backward op: check_call refused calls that autograd records, so diffusers' backward never runs.
-    return TemplatedUlyssesAttention.apply(q, k, v, None, 0.0, False, None, False, False, forward_op, None, parallel_config)
+    no_mask, no_dropout, not_causal, default_scale, no_gqa, no_lse = None, 0.0, False, None, False, False
+    return TemplatedUlyssesAttention.apply(
+        q, k, v, no_mask, no_dropout, not_causal, default_scale, no_gqa, no_lse, forward_op, None, parallel_config
+    )
 
 
 def check_call(cp: ContextParallelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -66,7 +69,8 @@ def check_call(cp: ContextParallelConfig, q: torch.Tensor, k: torch.Tensor, v: t
     if heads % cp.ulysses_degree:
         raise ValueError(f"ulysses_degree {cp.ulysses_degree} must divide the {heads} attention heads of this call")
     if needs_grad(q, k, v):
-        # The exchanges here and in diffusers' Ulysses are not all differentiable: a gradient would be lost silently.
+        # Open-VC and the ring's collectives have no backward, nor does diffusers' Ulysses without a backward op: a
+        # gradient would be lost silently, or fail deep inside autograd.
         raise RuntimeError(
             "Open-VC's context parallelism is forward-only: run the sharded model under torch.no_grad() or "
             "torch.inference_mode(), or train with a diffusers attention backend that has a context-parallel backward"
