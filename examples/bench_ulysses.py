@@ -22,9 +22,9 @@ Each run: one untimed warm-up forward, then --iters timed forwards. CUDA events 
 self-attention call, the attention backend call inside it (the kernel with its preparation) and the call's
 all-to-all exchanges (diffusers' ``_all_to_all_single``: q, k and v there, the output back, packing excluded; a
 rank's exchange also waits for the slowest rank). Per rank: medians over the timed forwards and calls, gathered
-to rank 0. The P-GPU forward time is the slowest rank's; the 1-GPU figures are rank 0's. Accuracy: rel-L2 of each rank's P-GPU output (diffusers
-gathers the whole output on every rank) against its 1-GPU output. The FP8 scales are computed after the
-exchange, so the two should be nearly or exactly identical: the target is rel-L2 <= 1e-3.
+to rank 0. The P-GPU forward time is the slowest rank's; the 1-GPU figures are rank 0's. Accuracy: rel-L2 of each
+rank's P-GPU output (diffusers gathers the whole output on every rank) against its 1-GPU output. The FP8 scales
+are computed after the exchange, so the two should be nearly or exactly identical: the target is rel-L2 <= 1e-3.
 
 --tiny runs the same code on openvc_diffusers.tiny's transformer (2 heads, 2 blocks, 160 tokens) in float32 on
 CPU processes over gloo, Open-VC through its PyTorch reference: a test of the script, not a benchmark.
