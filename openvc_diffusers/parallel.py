@@ -52,13 +52,15 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paralle
 
 def check_call(cp: ContextParallelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise unless Open-VC can run this self-attention call sharded by ``cp``."""
-    if cp.ulysses_anything or cp.ring_anything:
+    # diffusers 0.37 has neither ring_anything nor a mesh of the user's.
+    ulysses_anything, ring_anything = cp.ulysses_anything, getattr(cp, "ring_anything", False)
+    if ulysses_anything or ring_anything:
         raise ValueError(
             "Open-VC's context parallelism takes the even shards of ContextParallelConfig(ulysses_anything=False, "
-            f"ring_anything=False), got ulysses_anything={cp.ulysses_anything}, ring_anything={cp.ring_anything}"
+            f"ring_anything=False), got ulysses_anything={ulysses_anything}, ring_anything={ring_anything}"
         )
     sharded_over, world = cp.ulysses_degree * cp.ring_degree, cp._world_size
-    if cp.mesh is None and sharded_over != world:
+    if getattr(cp, "mesh", None) is None and sharded_over != world:
         # diffusers builds a mesh of ulysses_degree x ring_degree processes; the ranks outside it fail there.
         raise ValueError(
             f"ContextParallelConfig(ulysses_degree={cp.ulysses_degree}, ring_degree={cp.ring_degree}) shards over "
