@@ -24,10 +24,10 @@ LOG2_PER_CODE = 0.125
 """One code step is 1/8 octave: moving a row's anchor by k codes scales its probabilities (and sums) by 2^(k/8)."""
 
 LSE_CODE_OFFSET = EXPCAST_BIAS - 8 * 8
-"""119.65 - 64: ExpCast encodes ``2^z * 256`` so that it decodes, on average over the code grid, to
-``2^((c - LSE_CODE_OFFSET) / 8)`` (8 codes per octave, the 2^8 factor taken out): a row of sums ``l`` on anchor
-``a`` is ``sum_j exp(tau t_j) * 2^((a - LSE_CODE_OFFSET) / 8)``, beta included (with 56, the code of 1.0, the log-sum-exp
-would come out 0.35 codes, 0.03 nats, high)."""
+"""119.65 - 64: ExpCast encodes ``2^z * 256`` so that a real code c decodes, on average over the code grid, to about
+``2^((c - LSE_CODE_OFFSET) / 8)`` (8 codes per octave, the 2^8 factor taken out): a row's sum ``l`` on anchor ``a`` is
+about ``sum_j exp(tau q . k_j) * 2^((a - LSE_CODE_OFFSET) / 8)``. Beta is included: with 56, the code of 1.0, the
+log-sum-exp would come out 0.35 codes (0.03 nats) high."""
 
 LN2 = math.log(2.0)
 """ln 2: the log-sum-exp is formed in octaves (the kernel's log2) and turned into nats once."""

@@ -2,8 +2,8 @@
 
 ``attention(q, k, v)`` quantizes and packs with the fused sm90 preparation kernels (``prep_ops``, byte-identical
 to ``preparation.prepare_reference``) and runs the sm90 forward kernel; the output is bit-for-bit the same on
-repeated calls. ``torch.ops.openvc.attention`` is the registered custom op (with a fake implementation, so
-``torch.compile`` can trace through it).
+repeated calls. ``torch.ops.openvc.attention`` and ``torch.ops.openvc.attention_lse`` (the output and its
+log-sum-exp) are the registered custom ops (with fake implementations, so ``torch.compile`` can trace through them).
 """
 
 import functools
@@ -16,11 +16,11 @@ from .sm90.config import ForwardConfig
 from .preparation import Prepared, PrepareOptions
 from .sm90.layout import PV_N
 from .sm90.target import default_to_sm90, row_major_fake
-from .quant import BLOCK, num_blocks, softmax_scale_or_default
+from .quant import BLOCK, num_blocks, smoothing_lse_shift, smoothing_mean, softmax_scale_or_default
 from .split import TailSplit, plan_tail_split
 from .forward_only import raise_on_backward
 from .support import HEAD_DIM, KERNEL_DTYPES, KernelUnavailableError, input_unsupported_reason
-from .validation import check_attention_args
+from .validation import check_attention_args, check_shared_scales
 
 OUT_DTYPE = torch.bfloat16
 
@@ -39,7 +39,7 @@ def compile_attention(config: ForwardConfig, kernel_class: type | None = None):
 
     batch, heads = cute.sym_int(), cute.sym_int()
     s_q_pad, s_k_pad = cute.sym_int(divisibility=TILE_M), cute.sym_int(divisibility=TILE_N)
-    n_q, n_k, s_q, n_r = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    n_q, n_k, s_q, n_r, n_lse = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     slots, split_units = cute.sym_int(), cute.sym_int()
     fake = ForwardArgs(
         q8=row_major_fake(cutlass.Uint8, (batch, heads, s_q_pad, HEAD_DIM), 16),
@@ -50,6 +50,7 @@ def compile_attention(config: ForwardConfig, kernel_class: type | None = None):
         d_v=row_major_fake(cutlass.Float32, (batch, heads), 4),
         d_k_repair=row_major_fake(cutlass.Float32, (batch, heads, n_r), 4),
         out=row_major_fake(cutlass.BFloat16, (batch, s_q, heads, HEAD_DIM), 16),
+        lse=row_major_fake(cutlass.Float32, (batch, heads, n_lse), 4),
         piece_sums=row_major_fake(cutlass.Float32, (slots, TILE_M, PV_N), 16),
         piece_anchors=row_major_fake(cutlass.Float32, (slots, TILE_M), 4),
         arrivals=row_major_fake(cutlass.Int32, (split_units, CONSUMER_WGS), 4),
@@ -78,30 +79,49 @@ def prepare(
     repair_ratio: float = 0.0,
     repair_ranking: str = "energy",
     softmax_scale: float | None = None,
+    v_absmax: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
 ) -> Prepared:
     """Quantize ``(B, S, H, 128)`` q, k, v as ``reference_attention`` does, and pack V for the kernel: the bytes
     of ``prepare_reference`` from the fused kernels, V residual repair keys included (``prep_ops.prepare``), on
-    the current stream. ``softmax_scale`` (default ``1 / sqrt(128)``) weighs the "attention" repair ranking."""
+    the current stream. ``softmax_scale`` (default ``1 / sqrt(128)``) weighs the "attention" repair ranking;
+    ``v_absmax`` and ``k_mean`` replace this call's own V absmax and K mean, as in ``reference_attention``."""
+    _check_kernel_args(q, k, v, repair_ratio, None, repair_ranking, smooth_k, v_absmax, k_mean)
+    options = PrepareOptions(smooth_k, repair_ratio, repair_ranking, softmax_scale)
+    return _prepare_checked(q, k, v, options, v_absmax, k_mean)
+
+
+def _check_kernel_args(q, k, v, repair_ratio, window, repair_ranking, smooth_k, v_absmax, k_mean) -> None:
+    """Every check of a kernel call; the shared scales' values are skipped while a CUDA graph is being captured
+    (checking them waits for the device)."""
     check_attention_args(
-        q, k, v, repair_ratio=repair_ratio, window=None, repair_ranking=repair_ranking, dtypes=KERNEL_DTYPES
+        q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking, dtypes=KERNEL_DTYPES
     )
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    check_shared_scales(q, k, smooth_k=smooth_k, v_absmax=v_absmax, k_mean=k_mean, values=not capturing)
     reason = input_unsupported_reason(q.device, q.dtype, q.shape[-1])
     if reason is not None:
         raise ValueError(reason)
+
+
+def _prepare_checked(q, k, v, options: PrepareOptions, v_absmax, k_mean) -> Prepared:
     from . import prep_ops
 
-    return prep_ops.prepare(q, k, v, PrepareOptions(smooth_k, repair_ratio, repair_ranking, softmax_scale))
+    return prep_ops.prepare(q, k, v, options, v_absmax=v_absmax, k_mean=k_mean)
 
 
 @functools.cache
-def build_failure(dtype: torch.dtype, *, plain_order: bool, smooth_k: bool, repair: bool) -> str | None:
-    """Compile (or load) every kernel a call with these options runs; None when they are ready, else the
-    ``KernelUnavailableError`` message (cause and fix), so that a caller can fall back instead of failing."""
+def build_failure(
+    dtype: torch.dtype, *, plain_order: bool, smooth_k: bool, repair: bool, lse: bool = False
+) -> str | None:
+    """Compile (or load) every kernel a call with these options runs (``lse``: the kernel that writes the
+    log-sum-exp); None when they are ready, else the ``KernelUnavailableError`` message (cause and fix), so that a
+    caller can fall back instead of failing."""
     try:
         from . import prep_ops
 
         prep_ops.load_kernels(dtype, smooth_k=smooth_k, energy=repair)
-        _kernel(ForwardConfig(plain_order=plain_order))
+        _kernel(ForwardConfig(plain_order=plain_order, write_lse=lse))
     except KernelUnavailableError as error:
         return str(error)
     return None
@@ -124,8 +144,17 @@ def _split_workspace(plan: TailSplit, device: torch.device) -> tuple[torch.Tenso
     return sums, anchors, arrivals
 
 
-def forward_args(prepared: Prepared, out: torch.Tensor, *, softmax_scale: float, window: int | None, split_tail: bool):
-    """The forward kernel's arguments (``sm90.fwd.ForwardArgs``) for ``attention_prepared``'s call."""
+def forward_args(
+    prepared: Prepared,
+    out: torch.Tensor,
+    *,
+    softmax_scale: float,
+    window: int | None,
+    split_tail: bool,
+    lse: torch.Tensor | None = None,
+):
+    """The forward kernel's arguments (``sm90.fwd.ForwardArgs``) for ``attention_prepared``'s call; ``lse``
+    (B, H, S_q) fp32 for the kernel that writes it."""
     from .sm90.fwd import ForwardArgs
 
     p = prepared
@@ -144,6 +173,8 @@ def forward_args(prepared: Prepared, out: torch.Tensor, *, softmax_scale: float,
         # Without repair the kernel never reads d_k_repair: a compact (B, H, 1) stand-in, never an empty tensor.
         d_k_repair=p.d_k_repair if p.repair_tiles else p.d_v[..., None],
         out=out,
+        # The kernel without write_lse does not take lse: the same compact stand-in as d_k_repair's.
+        lse=lse if lse is not None else p.d_v[..., None],
         piece_sums=piece_sums,
         piece_anchors=piece_anchors,
         arrivals=arrivals,
@@ -163,18 +194,39 @@ def attention_prepared(
     softmax_scale: float,
     window: int | None = 4,
     split_tail: bool = True,
+    return_lse: bool = False,
     **tuning,
-) -> torch.Tensor:
-    """Run the kernel on prepared inputs into ``out`` ((B, S_q, H, 128) bf16, contiguous); returns ``out``.
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel on prepared inputs into ``out`` ((B, S_q, H, 128) bf16, contiguous); returns ``out``, or with
+    ``return_lse`` ``(out, lse)``: lse FP32 (B, S_q, H), a view of a (B, H, S_q) buffer, each row's log-sum-exp of
+    its prepared scores (with K smoothing those of ``q . (k - mean)``: ``attention`` adds the ``q . mean`` back).
 
     ``split_tail``: share the key range of the last wave's query tiles out over the idle SMs (``split.py``; as
     ``reference_attention(sm_count=...)`` models it with this GPU's SM count); False runs one CTA per query tile.
-    ``tuning``: ``ForwardConfig``'s knobs other than the visiting order (which ``window`` sets), for the probes.
+    ``tuning``: ``ForwardConfig``'s knobs other than the visiting order (which ``window`` sets) and ``write_lse``
+    (which ``return_lse`` sets), for the probes.
     """
-    config = ForwardConfig(plain_order=window is None, **tuning)
-    args = forward_args(prepared, out, softmax_scale=softmax_scale, window=window, split_tail=split_tail)
+    config = ForwardConfig(plain_order=window is None, write_lse=return_lse, **tuning)
+    batch, s_q, heads, _ = out.shape
+    lse = torch.empty(batch, heads, s_q, dtype=torch.float32, device=out.device) if return_lse else None
+    args = forward_args(prepared, out, softmax_scale=softmax_scale, window=window, split_tail=split_tail, lse=lse)
     _kernel(config)(*args)
-    return out
+    return (out, lse.transpose(1, 2)) if return_lse else out
+
+
+def _run(q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean, return_lse):
+    """The custom ops' body: checks, the fused preparation (K's smoothing mean reduced once, for it and the lse),
+    the kernel, and with K smoothing the lse's ``q . mean`` shift."""
+    # The checks run here, inside the op, where torch.compile does not trace (it would stop at the package lookup).
+    _check_kernel_args(q, k, v, repair_ratio, window, repair_ranking, smooth_k, v_absmax, k_mean)
+    mean = smoothing_mean(k, k_mean) if smooth_k else None
+    options = PrepareOptions(smooth_k, repair_ratio, repair_ranking, softmax_scale)
+    prepared = _prepare_checked(q, k, v, options, v_absmax, mean)
+    out = torch.empty(q.shape, dtype=OUT_DTYPE, device=q.device)
+    result = attention_prepared(prepared, out, softmax_scale=softmax_scale, window=window, return_lse=return_lse)
+    if return_lse and smooth_k:
+        result[1].add_(smoothing_lse_shift(q, mean, softmax_scale))
+    return result
 
 
 @torch.library.custom_op("openvc::attention", mutates_args=())
@@ -187,23 +239,43 @@ def _attention_op(
     smooth_k: bool,
     repair_ratio: float,
     repair_ranking: str,
+    v_absmax: torch.Tensor | None,
+    k_mean: torch.Tensor | None,
 ) -> torch.Tensor:
-    # prepare() checks the device and the kernel's requirements here, inside the op, where torch.compile does not
-    # trace (it would stop at the package lookup).
-    out = torch.empty(q.shape, dtype=OUT_DTYPE, device=q.device)
-    prepared = prepare(
-        q, k, v, smooth_k=smooth_k, repair_ratio=repair_ratio, repair_ranking=repair_ranking,
-        softmax_scale=softmax_scale,
-    )
-    return attention_prepared(prepared, out, softmax_scale=softmax_scale, window=window)
+    return _run(q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean, False)
 
 
 @_attention_op.register_fake
-def _(q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking):
+def _(q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean):
     return q.new_empty(q.shape, dtype=OUT_DTYPE)
 
 
+@torch.library.custom_op("openvc::attention_lse", mutates_args=())
+def _attention_lse_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    window: int | None,
+    smooth_k: bool,
+    repair_ratio: float,
+    repair_ranking: str,
+    v_absmax: torch.Tensor | None,
+    k_mean: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run(q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean, True)
+
+
+@_attention_lse_op.register_fake
+def _(q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean):
+    batch, s_q, heads, _ = q.shape
+    # The real lse's strides: a (B, S_q, H) view of a (B, H, S_q) buffer.
+    lse = q.new_empty(batch, heads, s_q, dtype=torch.float32).transpose(1, 2)
+    return q.new_empty(q.shape, dtype=OUT_DTYPE), lse
+
+
 _attention_op.register_autograd(raise_on_backward)
+_attention_lse_op.register_autograd(raise_on_backward)
 
 
 def attention(
@@ -216,7 +288,10 @@ def attention(
     smooth_k: bool = False,
     repair_ratio: float = 0.0,
     repair_ranking: str = "energy",
-) -> torch.Tensor:
+    return_lse: bool = False,
+    v_absmax: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Open-VC FP8 ExpCast attention on a Hopper GPU: ``(B, S, H, 128)`` fp16/bf16 in, bf16 out.
 
     ``softmax_scale`` defaults to ``1 / sqrt(128)``; ``window`` is the mid-window look-ahead in key tiles
@@ -228,10 +303,17 @@ def attention(
     14-bit sums move a few codes; measured in the README). Forward-only: a backward through the output raises.
     Raises ``ValueError`` for inputs the kernel cannot take and ``KernelUnavailableError`` (cause and fix) where its
     packages are missing or it fails to compile.
+
+    ``return_lse``, ``v_absmax``, ``k_mean`` as in ``reference_attention``: ``(out, lse)`` with lse FP32 (B, S_q, H)
+    (custom op ``openvc::attention_lse``), and the shared V absmax and K mean of a ring of K/V shards (the fused
+    preparation then skips its V absmax launch). Their values (finite, absmax >= 0) are checked except while a
+    CUDA graph is captured.
     """
     check_attention_args(
         q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking,
         dtypes=KERNEL_DTYPES,
     )
+    check_shared_scales(q, k, smooth_k=smooth_k, v_absmax=v_absmax, k_mean=k_mean, values=False)
     tau = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    return _attention_op(q, k, v, float(tau), window, bool(smooth_k), float(repair_ratio), repair_ranking)
+    op = _attention_lse_op if return_lse else _attention_op
+    return op(q, k, v, float(tau), window, bool(smooth_k), float(repair_ratio), repair_ranking, v_absmax, k_mean)

@@ -13,7 +13,7 @@ from cutlass import Float32, Uint8
 
 from .compile_cache import load_or_compile
 from .preparation import Prepared, PrepareOptions, write_repair_rows
-from .quant import BLOCK, apply_descale_guards, channel_mean, num_blocks, softmax_scale_or_default
+from .quant import BLOCK, apply_descale_guards, num_blocks, smoothing_mean, softmax_scale_or_default
 from .repair import choose_repair_tokens, repair_count
 from .sm90.layout import HEAD_DIM, PV_N
 from .sm90.prep import AbsmaxPerHead, PackV, QuantizePerBlock
@@ -113,23 +113,30 @@ def prepare_into(
     smooth_k: bool = False,
     residual_energy: torch.Tensor | None = None,
     softmax_scale: float | None = None,
+    v_absmax: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
 ) -> Prepared:
     """``prepare``'s real keys into the buffers of ``out`` (from ``empty_prepared``), descale guards applied
     (``quant.apply_descale_guards``, for ``softmax_scale``, default ``1 / sqrt(128)``); returns ``out``.
     ``residual_energy`` (B, H, S_k) fp32, where given, receives ``repair.residual_energy`` of every token.
+    ``v_absmax`` (B, H) replaces V's absmax (its launch is skipped), ``k_mean`` (B, H, 128) the channel mean that
+    K smoothing subtracts (``quant.smoothing_mean``).
 
-    Four launches on the current stream, then the guards' few small PyTorch ops on the descales; nothing waits
-    on the host, so a call can be captured in a CUDA graph.
+    Four launches on the current stream (three with ``v_absmax``), then the guards' few small PyTorch ops on the
+    descales; nothing waits on the host, so a call can be captured in a CUDA graph.
     """
-    mean_k = channel_mean(k.transpose(1, 2)).squeeze(2).contiguous() if smooth_k else None  # the reference's reduction
+    mean_k = smoothing_mean(k, k_mean).contiguous() if smooth_k else None  # the reference's reduction
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     s_pad = num_blocks(out.seqlen_k) * BLOCK
-    amax_v = torch.zeros(v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
     energy = residual_energy is not None
     quantize_q, quantize_k, absmax_v, pack = load_kernels(q.dtype, smooth_k=smooth_k, energy=energy)
     quantize_q(q, out.q8, out.d_q, None)
     quantize_k(k, out.k8[:, :, :s_pad], out.d_k, mean_k)
-    absmax_v(v, amax_v)
+    if v_absmax is None:
+        amax_v = torch.zeros(v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
+        absmax_v(v, amax_v)
+    else:
+        amax_v = v_absmax.contiguous()
     pack(v, amax_v, out.v_packed[..., :s_pad], out.d_v, residual_energy)
     d_q, d_v = apply_descale_guards(
         out.d_q, out.d_k, out.d_v, softmax_scale_or_default(softmax_scale, HEAD_DIM), head_dim=HEAD_DIM
@@ -151,13 +158,21 @@ def load_kernels(dtype: torch.dtype, *, smooth_k: bool, energy: bool) -> tuple:
     return tuple(load_prep(kind, dtype) for kind in kinds)
 
 
-def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: PrepareOptions = PrepareOptions()) -> Prepared:
+def prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    options: PrepareOptions = PrepareOptions(),
+    *,
+    v_absmax: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
+) -> Prepared:
     """Quantize ``(B, S, H, 128)`` fp16/bf16 CUDA tensors q, k, v for the sm90 kernel, on the current stream.
 
-    Byte-identical to ``preparation.prepare_reference`` with the same options (the descale guards of
-    ``quant.apply_descale_guards`` included; ``softmax_scale`` defaults to ``1 / sqrt(128)``), except that the
-    repair tokens are ranked by residual energies summed in another order (the choice can differ where two tokens
-    nearly tie).
+    Byte-identical to ``preparation.prepare_reference`` with the same options, ``v_absmax`` and ``k_mean`` (the
+    descale guards of ``quant.apply_descale_guards`` included; ``softmax_scale`` defaults to ``1 / sqrt(128)``),
+    except that the repair tokens are ranked by residual energies summed in another order (the choice can differ
+    where two tokens nearly tie).
     Arguments are checked by the caller (``validation``, ``support``): same device, dtype, batch and heads.
     """
     batch, seq_q, heads, _ = q.shape
@@ -165,7 +180,10 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: PrepareO
     count = repair_count(seq_k, options.repair_ratio)
     out = empty_prepared(batch, seq_q, seq_k, heads, q.device, repair_keys=num_blocks(count) * BLOCK)
     energy = torch.empty(batch, heads, seq_k, dtype=torch.float32, device=q.device) if count else None
-    prepare_into(q, k, v, out, smooth_k=options.smooth_k, residual_energy=energy, softmax_scale=options.softmax_scale)
+    prepare_into(
+        q, k, v, out, smooth_k=options.smooth_k, residual_energy=energy, softmax_scale=options.softmax_scale,
+        v_absmax=v_absmax, k_mean=k_mean,
+    )
     if count:
         tokens = choose_repair_tokens(
             energy, count, q, k, ranking=options.repair_ranking, softmax_scale=options.softmax_scale

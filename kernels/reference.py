@@ -27,6 +27,7 @@ checks that each name is in both sources:
     promote_every | promote_every | key tiles per PV chain (``ForwardConfig.promote_every``)
     steps | visit, first, n_real | a CTA's visiting steps: range(first, first + n_real)
     order | tile_at | the key tile each step visits (mid-window or plain)
+    lse, row_lse, LSE_CODE_OFFSET | lse, row_lse, LSE_CODE_OFFSET | a row's log-sum-exp of tau q . k, from l, anchor
 """
 
 import functools

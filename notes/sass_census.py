@@ -22,13 +22,14 @@ from pathlib import Path
 
 FORWARD = (
     "from openvc_kernels.ops import compile_attention; from openvc_kernels.sm90.config import ForwardConfig; "
-    "compile_attention(ForwardConfig(plain_order={plain}))"
+    "compile_attention(ForwardConfig(plain_order={plain}, write_lse={lse}))"
 )
 PREP = "import torch; from openvc_kernels.prep_ops import compile_prep; compile_prep({kind!r}, torch.{dtype})"
 PREP_KINDS = ("quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy")
 KERNELS = {
-    "fwd_window": FORWARD.format(plain=False),
-    "fwd_plain": FORWARD.format(plain=True),
+    "fwd_window": FORWARD.format(plain=False, lse=False),
+    "fwd_plain": FORWARD.format(plain=True, lse=False),
+    "fwd_window_lse": FORWARD.format(plain=False, lse=True),
     **{
         f"prep_{kind}_{dtype}": PREP.format(kind=kind, dtype=dtype)
         for kind in PREP_KINDS

@@ -11,7 +11,7 @@ from openvc_kernels.sm90.config import ForwardConfig
 
 def test_every_field_changes_the_cache_name():
     default = ForwardConfig()
-    other = {"plain_order": True, "kv_stages": 2, "pingpong": False, "promote_every": 1}
+    other = {"plain_order": True, "kv_stages": 2, "pingpong": False, "promote_every": 1, "write_lse": True}
     assert set(other) == {field.name for field in dataclasses.fields(ForwardConfig)}
     names = {default.cache_name} | {dataclasses.replace(default, **{k: v}).cache_name for k, v in other.items()}
     assert len(names) == 1 + len(other)

@@ -231,3 +231,18 @@ def test_merge_of_rows_without_keys():
 def test_merge_rejects_bad_parts(outs, lses, message):
     with pytest.raises(ValueError, match=message):
         merge_attention(outs, lses)
+
+
+def test_a_gradient_through_the_lse_raises():
+    q, k, v = (_normal(1, 64, 1).requires_grad_() for _ in range(3))
+    out, lse = reference_attention(q, k, v, return_lse=True)
+    with pytest.raises(RuntimeError, match="forward-only"):
+        lse.sum().backward()
+
+
+def test_a_non_finite_value_makes_its_heads_lse_nan(fresh_seed):
+    q, k, v = _normal(1, 200, 2), _normal(1, 200, 2), _normal(1, 200, 2)
+    _, clean = reference_attention(q, k, v, return_lse=True)
+    v[0, 17, 1, 3] = math.inf
+    _, lse = reference_attention(q, k, v, return_lse=True)
+    assert lse[..., 1].isnan().all() and torch.equal(lse[..., 0], clean[..., 0])

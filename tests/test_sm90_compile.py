@@ -58,8 +58,9 @@ def test_pack_v_bytes():
             assert (packed[:, :, :, position] == 0).all()
 
 
-@pytest.fixture(scope="module")
-def sass(tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=[False, True], ids=["default", "write_lse"])
+def sass(request, tmp_path_factory) -> str:
+    """The SASS of the shipped kernel, and of the one that also writes the log-sum-exp."""
     dump = tmp_path_factory.mktemp("sass")
     env = dict(
         os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="sass", CUTE_DSL_DUMP_DIR=str(dump),
@@ -67,7 +68,7 @@ def sass(tmp_path_factory) -> str:
     )
     script = (
         "from openvc_kernels.ops import compile_attention; from openvc_kernels.sm90.config import ForwardConfig; "
-        "compile_attention(ForwardConfig())"
+        f"compile_attention(ForwardConfig(write_lse={request.param}))"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     if done.returncode != 0 and "nvdisasm" in done.stderr:
@@ -98,6 +99,8 @@ def test_sass_has_no_exp_per_score(sass):
     assert count("MUFU.EX2") <= 4
     assert count("FFMA") >= 2 * SCORES_PER_THREAD
     # Three copies of the pack: the first key tile, the loop over real tiles, the repair tiles.
+    # MUFU.LG2 only in the lse variant's epilogue: two rows, in the store after the loop and after the merge.
+    assert count("MUFU.LG2") <= 4
     assert count("F2FP.RELU.F16.F32") == 3 * SCORES_PER_THREAD // 2
     assert count("PRMT") >= 3 * SCORES_PER_THREAD // 4
     assert count("F2I") + count("F2F.") + count("I2F") == 0

@@ -23,6 +23,9 @@ class ForwardConfig:
     """Key tiles the PV wgmma adds up before its sum moves into FP32 registers: the FP8 wgmma adds with ~14
     significant bits, so summing PV over all tiles in it would drop small products. ``reference_attention(...,
     accumulation="wgmma", promote_every=...)`` follows the same value (both default to ``wgmma.PV_PROMOTE_EVERY``)."""
+    write_lse: bool = False
+    """Also write each row's log-sum-exp (``expcast.row_lse``) to the ``lse`` argument; without it the kernel does
+    not take that argument, and its code is the kernel's without the knob."""
 
     @property
     def cache_name(self) -> str:

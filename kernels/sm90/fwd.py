@@ -15,7 +15,8 @@ Shared memory (FP8 bytes, 128B-swizzled, K-major rows of 128 bytes):
 Global inputs (all FP8 as uint8 bytes): q8 (B, H, Sq_pad, 128), k8 (B, H, Sk_pad + R, 128); packed V
 (B, H, 136, Sk_pad + R); descales d_q (B, H, n_q), d_k (B, H, n_k), d_v (B, H), d_k_repair (B, H, R) for the
 R = 128 * repair_tiles V-repair keys after the real ones (visited last, on the final anchor, ones rows 0);
-output (B, S, H, 128) bf16; the split's workspace (``pieces.py``).
+output (B, S, H, 128) bf16; with ``ForwardConfig.write_lse`` each row's log-sum-exp lse (B, H, S) fp32; the split's
+workspace (``pieces.py``).
 
 Grid: one dimension, units in (query tile, head, batch) order, the last ones split: CTA c < whole_units runs unit
 c, CTA whole_units + t runs piece t % splits of unit whole_units + t // splits.
@@ -145,6 +146,16 @@ class Gemms(NamedTuple):
         _gemm(self.tiled_pv, self.acc_pv, self.frag_p, self.frag_v[None, None, None, stage], fresh)
 
 
+def _taken(t: cute.Tensor, taken: bool) -> cute.Tensor | None:
+    """``t`` where this config's kernel takes it, else None (plain Python, run while tracing)."""
+    return t if taken else None
+
+
+def _head_rows(t: cute.Tensor | None, batch: Int32, head: Int32) -> cute.Tensor | None:
+    """``t[batch, head, None]``, or None for a tensor the kernel does not take."""
+    return None if t is None else t[batch, head, None]
+
+
 @cute.jit
 def _tma_load(pipe: pipeline.PipelineAsync, atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, state):
     """Wait for the stage to be free, then one TMA copy of ``src`` into it, completing on its barrier."""
@@ -172,6 +183,7 @@ class ExpCastAttentionSm90:
         d_v: cute.Tensor,
         d_k_repair: cute.Tensor,
         out: cute.Tensor,
+        lse: cute.Tensor,
         piece_sums: cute.Tensor,
         piece_anchors: cute.Tensor,
         arrivals: cute.Tensor,
@@ -185,7 +197,8 @@ class ExpCastAttentionSm90:
     ):
         """``codes_per_dot`` is ``expcast.codes_per_dot(softmax_scale)``; times d_q it is each row's codes per score
         ``s`` (``reference.codes_per_score``). The units after ``whole_units`` run ``splits`` pieces each
-        (``split.plan_tail_split``; never with repair tiles)."""
+        (``split.plan_tail_split``; never with repair tiles). ``lse`` (B, H, S) is written only with
+        ``ForwardConfig.write_lse``; the kernel without it does not take it (any FP32 stand-in will do)."""
         mQ, mK, mV = [_as_fp8_tma_view(t) for t in (q8, k8, v_packed)]
         sQ_layout = _smem_layout(TILE_M)
         sK_layout = _smem_layout(TILE_N, self.config.kv_stages)
@@ -228,7 +241,8 @@ class ExpCastAttentionSm90:
         # Divisors for the CTA's unit and piece, by multiply and shift (an integer division would convert).
         divisors = [cute.fast_divmod_create_divisor_v2(x) for x in (n_q_tiles, q8.shape[1], splits)]
         self.kernel(
-            mQ, mK, mV, d_q, d_k, d_v, d_k_repair, out, piece_sums, piece_anchors, arrivals,
+            mQ, mK, mV, d_q, d_k, d_v, d_k_repair, out, _taken(lse, self.config.write_lse),
+            piece_sums, piece_anchors, arrivals,
             tma_q, tma_k, tma_v,
             codes_per_dot, seqlen_k, window, repair_tiles, whole_units, *divisors,
             sQ_layout, sK_layout, sV_layout,
@@ -252,6 +266,7 @@ class ExpCastAttentionSm90:
         d_v: cute.Tensor,
         d_k_repair: cute.Tensor,
         out: cute.Tensor,
+        lse: cute.Tensor | None,
         piece_sums: cute.Tensor,
         piece_anchors: cute.Tensor,
         arrivals: cute.Tensor,
@@ -326,7 +341,8 @@ class ExpCastAttentionSm90:
             slot = (unit - whole_units) * n_pieces  # the unit's first piece slot, if it is split
             self.consume(
                 sQ, sK, sV, d_q[batch, head, None], d_k[batch, head, None], d_v[batch, head],
-                d_k_repair[batch, head, None], out[batch, None, head, None], tiled_mma_qk, tiled_mma_pv,
+                d_k_repair[batch, head, None], out[batch, None, head, None], _head_rows(lse, batch, head),
+                tiled_mma_qk, tiled_mma_pv,
                 pipeline_q, pipeline_k, pipeline_v, tidx, m_block, visit, codes_per_dot, seqlen_k, repair_tiles,
                 Piece(piece, n_pieces, slot, piece_sums, piece_anchors, arrivals[unit - whole_units, None],
                       storage.arrivals_seen.get_tensor(cute.make_layout(CONSUMER_WGS))),
@@ -410,6 +426,7 @@ class ExpCastAttentionSm90:
         d_v: Float32,
         d_k_repair: cute.Tensor,
         out: cute.Tensor,
+        lse: cute.Tensor | None,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         pipeline_q: pipeline.PipelineAsync,
@@ -424,7 +441,8 @@ class ExpCastAttentionSm90:
         piece: Piece,
     ):
         """One consumer warpgroup: 64 query rows against the CTA's key tiles and the repair tiles, then the
-        epilogue: the output, or for a piece its sums, and the merge if it is the unit's last."""
+        epilogue: the output (and ``lse``, the rows' log-sum-exp, where given), or for a piece its sums, and the merge
+        if it is the unit's last."""
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wg_qk = tiled_mma_qk.get_slice(wg * WG_THREADS)
         wg_pv = tiled_mma_pv.get_slice(wg * WG_THREADS)
@@ -477,14 +495,14 @@ class ExpCastAttentionSm90:
         rows.accumulate_last(acc_o, acc_pv)
 
         if piece.count == 1:
-            self.store(acc_o, thr_pv, d_v, out, m_block)
+            self.store(acc_o, thr_pv, d_v, out, m_block, rows.anchor, lse)
         else:
             coords = softmax.rows_view(thr_pv.partition_C(cute.make_identity_tensor((TILE_M, PV_N))))
             own = piece.first_slot + piece.index
             pieces.write(acc_o, coords, rows.anchor, piece.sums[own, None, None], piece.anchors[own, None])
             if pieces.arrive(piece.arrivals, piece.seen, wg, tidx % WG_THREADS) == piece.count - 1:
-                pieces.merge(acc_o, coords, piece.sums, piece.anchors, piece.first_slot, piece.count)
-                self.store(acc_o, thr_pv, d_v, out, m_block)
+                pieces.merge(acc_o, coords, piece.sums, piece.anchors, piece.first_slot, piece.count, rows.anchor)
+                self.store(acc_o, thr_pv, d_v, out, m_block, rows.anchor, lse)
 
     @cute.jit
     def step(
@@ -531,8 +549,19 @@ class ExpCastAttentionSm90:
         return state
 
     @cute.jit
-    def store(self, acc_o: cute.Tensor, thr_pv: cute.ThrMma, d_v: Float32, out: cute.Tensor, m_block: Int32):
-        """``O = fp32(acc * fp32(d_v / l))`` -> bf16 rows < S; l is accumulator column 128 (ones rows)."""
+    def store(
+        self,
+        acc_o: cute.Tensor,
+        thr_pv: cute.ThrMma,
+        d_v: Float32,
+        out: cute.Tensor,
+        m_block: Int32,
+        anchor: cute.Tensor,
+        lse: cute.Tensor | None,
+    ):
+        """``O = fp32(acc * fp32(d_v / l))`` -> bf16 rows < S; l is accumulator column 128 (ones rows). Where given,
+        ``lse`` (S,) receives each row's ``softmax.row_lse(l, anchor)``, ``anchor`` the rows' final grid; plus
+        ``d_v - d_v``, NaN for a head with a non-finite input as its output (``quant.poison_non_finite``)."""
         rows = softmax.rows_view(acc_o)
         coords = softmax.rows_view(thr_pv.partition_C(cute.make_identity_tensor((TILE_M, PV_N))))
         l_column = cute.size(rows, mode=[1]) - 2  # (e = 0, last column group): column 128 + 2 lane
@@ -543,6 +572,9 @@ class ExpCastAttentionSm90:
             if row < seqlen_q:
                 for i in cutlass.range_constexpr(l_column):
                     out[row, coords[r, i][1]] = (rows[r, i] * scale).to(cutlass.BFloat16)
+                if const_expr(lse is not None):
+                    if coords[r, 0][1] == 0:  # a quad's four lanes hold the row: its first writes
+                        lse[row] = softmax.row_lse(rows[r, l_column], anchor[r]) + (d_v - d_v)
 
 
 ForwardArgs = NamedTuple(

@@ -48,11 +48,18 @@ def arrive(arrivals: cute.Tensor, seen: cute.Tensor, wg: Int32, thread_in_wg: In
 
 @cute.jit
 def merge(
-    acc_o: cute.Tensor, coords: cute.Tensor, sums: cute.Tensor, anchors: cute.Tensor, slot: Int32, pieces: Int32
+    acc_o: cute.Tensor,
+    coords: cute.Tensor,
+    sums: cute.Tensor,
+    anchors: cute.Tensor,
+    slot: Int32,
+    pieces: Int32,
+    anchor: cute.Tensor,
 ):
     """``acc_o`` = the unit's sums from its ``pieces`` slots from ``slot`` on in ``sums`` (slots, 128, 136) and
     ``anchors`` (slots, 128): on the lowest anchor (the highest max), ``fma(2^((anchor - anchor_p) / 8), sums_p, ...)``
-    from 0 in piece order (``split.merge_pieces``)."""
+    from 0 in piece order (``split.merge_pieces``); ``anchor`` (this thread's two rows) receives that lowest anchor,
+    the grid the merged sums sit on."""
     cute.arch.fence_acq_rel_gpu()  # acquire the other pieces' writes, published by their counts
     rows = rows_view(acc_o)
     for r in cutlass.range_constexpr(2):
@@ -60,6 +67,7 @@ def merge(
         lowest = anchors[slot, row]
         for p in cutlass.range(slot + 1, slot + pieces, unroll=1):
             lowest = cute.arch.fmin(lowest, anchors[p, row])
+        anchor[r] = lowest
         for i in cutlass.range_constexpr(cute.size(rows, mode=[1])):
             rows[r, i] = Float32(0.0)
         for p in cutlass.range(slot, slot + pieces, unroll=1):

@@ -17,7 +17,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr
 
-from ..expcast import CODE_UNIT, EXPCAST_BIAS, LOG2_PER_CODE, MAX_CODE
+from ..expcast import CODE_UNIT, EXPCAST_BIAS, LN2, LOG2_PER_CODE, LSE_CODE_OFFSET, MAX_CODE
 from .ptx import byte_perm, mul_rn, pack_codes_f16
 
 
@@ -54,6 +54,14 @@ def row_max(scores: cute.Tensor, row: cutlass.Constexpr[int]) -> Float32:
 def code_anchor(m: Float32, s: Float32) -> Float32:
     """``rne(119.65 - s * m)``: the integer the row's codes are anchored to."""
     return cute.math.roundeven(Float32(EXPCAST_BIAS) - mul_rn(s, m))
+
+
+@cute.jit
+def row_lse(l: Float32, anchor: Float32) -> Float32:
+    """The row's log-sum-exp ``(log2(l) + (LSE_CODE_OFFSET - anchor) / 8) ln2`` (``expcast.row_lse``, the same FP32
+    steps; log2 is MUFU's lg2.approx, within 2^-22 of the reference's)."""
+    octaves = cute.math.log2(l, approx=True, ftz=True) + (Float32(LSE_CODE_OFFSET) - anchor) * LOG2_PER_CODE
+    return octaves * Float32(LN2)
 
 
 class ExpCastSoftmax:
