@@ -20,11 +20,11 @@ rank builds the model afresh and runs it twice:
            of the sequence, and each self-attention call exchanges it for 1/P of the heads (all-to-all) and back
 Each run: one untimed warm-up forward, then --iters timed forwards. CUDA events mark each forward, each
 self-attention call, the attention backend call inside it (the kernel with its preparation) and the call's
-all-to-all exchanges (q, k and v there, the output back, packing included; a rank's exchange also waits for the
-slowest rank). Per rank: medians over the timed forwards and calls, gathered to rank 0. The P-GPU forward time is
-the slowest rank's; the 1-GPU figures are rank 0's. Accuracy: rel-L2 of each rank's P-GPU output (diffusers
-gathers the whole output on every rank) against its 1-GPU output. The FP8 scales are computed after the
-exchange, so the two should be nearly or exactly identical: the target is rel-L2 <= 1e-3.
+all-to-all exchanges (diffusers' ``_all_to_all_single``: q, k and v there, the output back, packing excluded; a
+rank's exchange also waits for the slowest rank). Per rank: medians over the timed forwards and calls, gathered
+to rank 0. The P-GPU forward time is the slowest rank's; the 1-GPU figures are rank 0's. Accuracy: rel-L2 of each
+rank's P-GPU output (diffusers gathers the whole output on every rank) against its 1-GPU output. The FP8 scales
+are computed after the exchange, so the two should be nearly or exactly identical: the target is rel-L2 <= 1e-3.
 
 --tiny runs the same code on openvc_diffusers.tiny's transformer (2 heads, 2 blocks, 160 tokens) in float32 on
 CPU processes over gloo, Open-VC through its PyTorch reference: a test of the script, not a benchmark.
@@ -43,6 +43,7 @@ from contextlib import ExitStack, contextmanager
 from unittest import mock
 
 import diffusers
+import diffusers.models.attention_dispatch as dispatch_module
 import torch
 import torch.distributed as dist
 from bench_pipeline import (
@@ -73,8 +74,9 @@ TIMESTEP = 500.0
 REL_L2_TARGET = 1e-3
 SPANS = ("self_call", "attention", "all_to_all")
 """What the timer marks in each self-attention call: the whole call, the backend call, the exchanges."""
-TIMED_FUNCTIONS = {"run": "attention", "sequence_to_heads": "all_to_all", "heads_to_sequence": "all_to_all"}
-"""The functions of openvc_diffusers.processors.base a self-attention call makes, and the span each one marks."""
+TIMED_FUNCTIONS = ((backend_module, "run", "attention"), (dispatch_module, "_all_to_all_single", "all_to_all"))
+"""The functions a self-attention call makes, where it looks them up, and the span each one marks: the backend call
+(``openvc_diffusers.backend``) and the exchanges of diffusers' Ulysses (``attention_dispatch``)."""
 
 
 def log(message: str) -> None:
@@ -216,8 +218,8 @@ class SelfAttentionTimer:
     """Marks on the device's timeline, without synchronising, around each self-attention call of Open-VC's
     processors, the attention backend call inside it and its all-to-all exchanges.
 
-    While ``timing()`` is active it wraps ``OpenVCProcessorBase._attend`` and the functions ``backend.attend`` looks
-    up in its module (``run``, ``sequence_to_heads``, ``heads_to_sequence``), so the package runs unchanged.
+    While ``timing()`` is active it wraps ``OpenVCProcessorBase._attend`` and the functions of ``TIMED_FUNCTIONS`` in
+    their modules, so the package runs unchanged.
     """
 
     def __init__(self, device: torch.device):
@@ -231,9 +233,9 @@ class SelfAttentionTimer:
         base = processor_base.OpenVCProcessorBase
         with ExitStack() as stack:
             stack.enter_context(mock.patch.object(base, "_attend", self._timed_attend(base._attend)))
-            for name, span in TIMED_FUNCTIONS.items():
-                wrapped = self._timed(span, getattr(backend_module, name))
-                stack.enter_context(mock.patch.object(backend_module, name, wrapped))
+            for module, name, span in TIMED_FUNCTIONS:
+                wrapped = self._timed(span, getattr(module, name))
+                stack.enter_context(mock.patch.object(module, name, wrapped))
             yield self
 
     def _timed_attend(self, attend):

@@ -15,7 +15,7 @@ from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2Attn
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from .config import load_config
-from .parallel import enable_ulysses
+from .parallel import enable_context_parallel
 from .processors import (
     CogVideoXOpenVCProcessor,
     HunyuanVideo15OpenVCProcessor,
@@ -107,7 +107,8 @@ def apply(target, config=None) -> OpenVCProcessorBase:
     Numbers each transformer's self-attention layers in module order, for ``bf16_layers`` (before any call, so a
     compiled model makes no numbers: under caches that skip blocks too). Also tracks denoising steps from the
     transformers' ``timestep`` so ``bf16_steps`` applies, and with
-    ``parallel.ulysses_degree > 1`` shards each transformer's sequence over the torch.distributed world.
+    ``parallel.ulysses_degree`` or ``parallel.ring_degree`` above 1 shards each transformer's sequence over the
+    torch.distributed world (``parallel.py``).
     Returns the processor (its ``calls`` counts which backend took which calls).
     """
     models = pipeline_transformers(target)
@@ -118,8 +119,8 @@ def apply(target, config=None) -> OpenVCProcessorBase:
     config = load_config(config)
     processor = plans[0][0].processor(config)
     processor.step_tracker = StepTracker(watched=config.bf16_steps)
-    if config.ulysses_degree > 1:
-        processor._parallel_config = enable_ulysses(models, config.ulysses_degree)
+    if config.ulysses_degree * config.ring_degree > 1:
+        processor._parallel_config = enable_context_parallel(models, config.ulysses_degree, config.ring_degree)
     family = plans[0][0]
     for model, (_, modules) in zip(models, plans):
         processor.layer_count = 0  # each transformer (Wan 2.2's two experts) numbers its layers from 0

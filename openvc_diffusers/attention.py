@@ -27,6 +27,25 @@ def warn_once(message: str) -> None:
         logger.warning(message)
 
 
+OPENVC_BACKENDS = (OPENVC_KERNEL, OPENVC_REFERENCE)
+
+
+def warn_reasons(decision: Decision) -> None:
+    for reason in decision.reasons:
+        warn_once(f"Open-VC fallback to {decision.backend}: {reason}")
+
+
+def run_openvc(decision: Decision, config: OpenVCConfig, q, k, v, **shard_options):
+    """An Open-VC call (the kernel, or its reference off the GPU) with the config's options; ``shard_options`` are
+    the kernel API's keywords for one K/V shard of a ring (``return_lse``, ``v_absmax``, ``k_mean``). Returns what
+    the kernel API returns: BF16 ``out``, or ``(out, lse)``."""
+    warn_reasons(decision)
+    if decision.backend == OPENVC_KERNEL:
+        return openvc_kernels.attention(q, k, v, **kernel_options(config), **shard_options)
+    warn_once(REFERENCE_WARNING)
+    return run_reference(q, k, v, config, **shard_options)
+
+
 def run(
     decision: Decision,
     config: OpenVCConfig,
@@ -37,13 +56,9 @@ def run(
     attention_backend=None,
 ) -> torch.Tensor:
     """Run a decided call on (B, S, H, D) inputs; output in q's dtype and layout."""
-    for reason in decision.reasons:
-        warn_once(f"Open-VC fallback to {decision.backend}: {reason}")
-    if decision.backend == OPENVC_KERNEL:
-        return openvc_kernels.attention(q, k, v, **kernel_options(config)).to(q.dtype)
-    if decision.backend == OPENVC_REFERENCE:
-        warn_once(REFERENCE_WARNING)
-        return run_reference(q, k, v, config)
+    if decision.backend in OPENVC_BACKENDS:
+        return run_openvc(decision, config, q, k, v).to(q.dtype)
+    warn_reasons(decision)
     if decision.backend == FA4:
         return run_fa4(q, k, v)
     return run_sdpa(q, k, v, attn_mask=attn_mask, attention_backend=attention_backend)

@@ -12,6 +12,7 @@ Each call is routed by a ``Route``: the one an Open-VC processor puts in flight 
 registered config; cross-attention where the key sequence is not as long as the query's; no layer or step).
 """
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -28,10 +29,11 @@ from diffusers.models.attention_dispatch import (
 )
 from packaging.version import Version
 
-from .attention import run, warn_once
+from .attention import OPENVC_BACKENDS, run, run_openvc, warn_once
 from .config import OPENVC, SDPA, OpenVCConfig, format_indices, load_config
-from .parallel import heads_to_sequence, sequence_to_heads, ulysses_group
+from .parallel import sharded_attention
 from .policy import Call, decide
+from .ring import gather_sequence, ring_attention
 
 NAME = OPENVC
 """The backend's name in diffusers: the policy's name for Open-VC."""
@@ -187,16 +189,15 @@ def attend(
     ``pad_queries``: the mask also hides the query rows from ``valid_len`` on, whose output is then zero (as SDPA
     gives a row with no key), so those rows are trimmed too.
 
-    Under Ulysses (``parallel_config`` set) self-attention exchanges sequence shards for head shards first and back
-    after; cross-attention needs no exchange: each rank's query shard attends to the whole context.
+    Under context parallelism (``parallel_config`` set, ``parallel.py``) self-attention is exchanged and passed
+    around the ranks (``attend_shard``); cross-attention needs neither: each rank's query shard attends to the whole
+    context.
     """
     is_cross = route.is_cross if route.is_cross is not None else k.shape[1] != q.shape[1]
-    sharded = parallel_config is not None and not is_cross
-    if sharded:
+    if parallel_config is not None and not is_cross:
         if attn_mask is not None:
-            raise RuntimeError("Open-VC: masked self-attention under Ulysses is not supported")
-        group = ulysses_group(parallel_config)
-        q, k, v = (sequence_to_heads(x, group) for x in (q, k, v))
+            raise RuntimeError("Open-VC: masked self-attention under context parallelism is not supported")
+        return sharded_attention(q, k, v, parallel_config, functools.partial(attend_shard, route))
     trim = valid_len is not None
     q_seen = q[:, :valid_len] if trim and pad_queries else q
     layer = None if is_cross else route.layer
@@ -206,9 +207,22 @@ def attend(
     route.count("cross" if is_cross else "self", decision.backend)
     if trim and decision.backend != SDPA:
         out = run(decision, route.config, q_seen, k[:, :valid_len], v[:, :valid_len])
-        out = F.pad(out, (0, 0, 0, 0, 0, q.shape[1] - q_seen.shape[1]))
-    else:
-        out = run(decision, route.config, q, k, v, attn_mask=attn_mask, attention_backend=route.fallback)
-    if sharded:
-        out = heads_to_sequence(out, group)
-    return out
+        return F.pad(out, (0, 0, 0, 0, 0, q.shape[1] - q_seen.shape[1]))
+    return run(decision, route.config, q, k, v, attn_mask=attn_mask, attention_backend=route.fallback)
+
+
+def attend_shard(route: Route, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring_group, ring_degree: int):
+    """Self-attention on ``(B, S/R, H, D)`` after the Ulysses exchange: this rank's ring shard of the sequence (all of
+    it where ``ring_group`` is None). The policy decides on the whole sequence, as one process would; Open-VC runs as
+    ring attention, any other backend on the gathered keys and values."""
+    call = Call(q, k, v, is_cross=False, layer=route.layer, step=route.step, query_tokens=q.shape[1] * ring_degree)
+    decision = decide(route.config, call)
+    route.count("self", decision.backend)
+    config = route.config
+    if ring_group is None:
+        return run(decision, config, q, k, v, attention_backend=route.fallback)
+    if decision.backend in OPENVC_BACKENDS:
+        shard_attention = functools.partial(run_openvc, decision, config)
+        return ring_attention(q, k, v, ring_group, shard_attention, smooth_k=config.smooth_k)
+    k, v = gather_sequence(k, ring_group), gather_sequence(v, ring_group)
+    return run(decision, config, q, k, v, attention_backend=route.fallback)

@@ -78,6 +78,6 @@ def kernel_options(config) -> dict:
     return dict(_kernel_option_items(config.kernel_options_text))
 
 
-def run_reference(q, k, v, config) -> torch.Tensor:
-    """The reference with the config's Open-VC settings, in q's dtype."""
-    return openvc_kernels.reference_attention(q, k, v, **kernel_options(config)).to(q.dtype)
+def run_reference(q, k, v, config, **shard_options):
+    """The reference with the config's Open-VC settings and ``shard_options`` (``attention.run_openvc``)."""
+    return openvc_kernels.reference_attention(q, k, v, **kernel_options(config), **shard_options)

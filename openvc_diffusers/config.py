@@ -54,8 +54,11 @@ class OpenVCConfig:
     bf16_layers: frozenset[int] = frozenset()
     # Denoising step indices (0-based) forced to BF16.
     bf16_steps: frozenset[int] = frozenset()
-    # Ulysses sequence-parallel degree; YAML key `parallel.ulysses_degree`.
+    # Ulysses sequence-parallel degree (heads exchanged for sequence); YAML key `parallel.ulysses_degree`.
     ulysses_degree: int = 1
+    # Ring degree (K/V shards passed among ranks, outputs merged by log-sum-exp); YAML key `parallel.ring_degree`.
+    # ulysses_degree x ring_degree processes share one sequence.
+    ring_degree: int = 1
 
     def __post_init__(self):
         # Checked here rather than in load_config, so dataclasses.replace() is validated too.
@@ -70,6 +73,7 @@ class OpenVCConfig:
             "bf16_layers": _indices("bf16_layers", self.bf16_layers),
             "bf16_steps": _indices("bf16_steps", self.bf16_steps),
             "ulysses_degree": _int("parallel.ulysses_degree", self.ulysses_degree, minimum=1),
+            "ring_degree": _int("parallel.ring_degree", self.ring_degree, minimum=1),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)
@@ -99,11 +103,11 @@ class OpenVCConfig:
             "cross_attention": self.cross_attention,
             "bf16_layers": sorted(self.bf16_layers),
             "bf16_steps": sorted(self.bf16_steps),
-            "parallel": {"ulysses_degree": self.ulysses_degree},
+            "parallel": {"ulysses_degree": self.ulysses_degree, "ring_degree": self.ring_degree},
         }
 
 
-_PARALLEL_KEYS = ("ulysses_degree",)
+_PARALLEL_KEYS = ("ulysses_degree", "ring_degree")
 _TOP_KEYS = tuple(k for k in OpenVCConfig.__dataclass_fields__ if k not in _PARALLEL_KEYS) + ("parallel",)
 # Dotted names, so a nested key written at the top level is pointed to its section.
 _ALL_KEYS = _TOP_KEYS + tuple(f"parallel.{k}" for k in _PARALLEL_KEYS)
@@ -150,7 +154,9 @@ def _from_mapping(data: Mapping[str, Any]) -> OpenVCConfig:
     if "parallel" in data:
         parallel = data["parallel"]
         if not isinstance(parallel, Mapping):
-            raise ConfigError(f"parallel: got {parallel!r}; expected a mapping such as {{ulysses_degree: 2}}")
+            raise ConfigError(
+                f"parallel: got {parallel!r}; expected a mapping such as {{ulysses_degree: 2, ring_degree: 2}}"
+            )
         _check_keys(parallel, _PARALLEL_KEYS, prefix="parallel.")
         kwargs.update(parallel)
     return OpenVCConfig(**kwargs)

@@ -33,11 +33,16 @@ class Call:
     has_mask: bool = False
     layer: int | None = None
     step: int | None = None
+    query_tokens: int | None = None
+    """The query tokens of the whole call, where ``query`` is one ring shard of it (``min_tokens`` applies to the
+    whole: every rank then decides alike, as one process would); None: ``query``'s own."""
 
     def __post_init__(self):
         check_qkv(self.query, self.key, self.value)
         if self.is_cross is None:
             object.__setattr__(self, "is_cross", self.key.shape[1] != self.query.shape[1])
+        if self.query_tokens is None:
+            object.__setattr__(self, "query_tokens", self.query.shape[1])
 
     @property
     def needs_grad(self) -> bool:
@@ -79,8 +84,8 @@ def openvc_unavailable_reason(config: OpenVCConfig, call: Call) -> str | None:
         return f"dtype {q.dtype}; Open-VC takes {', '.join(str(d).removeprefix('torch.') for d in INPUT_DTYPES)}"
     if call.has_mask:
         return "an attention mask was given; Open-VC takes unmasked attention"
-    if not call.is_cross and q.shape[1] < config.min_tokens:
-        return f"{q.shape[1]} query tokens < min_tokens {config.min_tokens}"
+    if not call.is_cross and call.query_tokens < config.min_tokens:
+        return f"{call.query_tokens} query tokens < min_tokens {config.min_tokens}"
     if q.device.type == "cpu":
         return None  # the reference runs anywhere
     # HEAD_DIM, not q.shape[-1] (checked above): with dynamic=True that is symbolic, and so would be the options read

@@ -19,7 +19,7 @@ def test_defaults():
     assert cfg.window == 4
     assert cfg.cross_attention == "sdpa"
     assert cfg.bf16_layers == frozenset() and cfg.bf16_steps == frozenset()
-    assert cfg.ulysses_degree == 1
+    assert cfg.ulysses_degree == 1 and cfg.ring_degree == 1
 
 
 def test_default_yaml_is_the_defaults():
@@ -43,10 +43,11 @@ def test_round_trip():
         bf16_layers=[0, "28-29"],
         bf16_steps="0-3",
         ulysses_degree=4,
+        ring_degree=2,
     )
     data = cfg.to_dict()
     assert data["bf16_layers"] == [0, 28, 29]
-    assert data["parallel"] == {"ulysses_degree": 4}
+    assert data["parallel"] == {"ulysses_degree": 4, "ring_degree": 2}
     assert load_config(data) == cfg
     assert load_config(yaml.safe_load(yaml.safe_dump(data))) == cfg
 
@@ -146,6 +147,8 @@ def test_parallel_not_a_mapping():
         ({"repair_ratio": "0.005"}, "repair_ratio", "'0.005'"),
         ({"window": -1}, "window", "-1"),
         ({"parallel": {"ulysses_degree": 0}}, "parallel.ulysses_degree", "0"),
+        ({"parallel": {"ring_degree": 0}}, "parallel.ring_degree", "0"),
+        ({"parallel": {"ring_degree": 2.0}}, "parallel.ring_degree", "2.0"),
         ({"backends": ["openvc", "flash", "sdpa"]}, "backends", "'flash'"),
         ({"backends": ["sdpa", "fa4", "sdpa"]}, "backends", "['sdpa', 'fa4', 'sdpa']"),
         ({"backends": ["openvc", "fa4"]}, "backends", "['openvc', 'fa4']"),

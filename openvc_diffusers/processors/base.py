@@ -61,7 +61,7 @@ class OpenVCProcessorBase:
     add nothing (its calls are counted once, at capture).
     """
 
-    # Set by openvc_diffusers.apply when parallel.ulysses_degree > 1, or by diffusers' enable_parallelism.
+    # Set by openvc_diffusers.apply when a parallel degree is above 1, or by diffusers' enable_parallelism.
     _parallel_config = None
 
     def __init__(self, config=None):
