@@ -348,14 +348,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> list[dict]:
-    args = parse_args(argv)
+def start_run(script: str, seed: int) -> dict:
+    """Exit unless there is a CUDA GPU; seed Python's and torch's generators; the run's metadata (GPU, torch, the
+    clocks before), logged."""
     if not torch.cuda.is_available():
-        sys.exit("bench_attention.py needs a CUDA GPU (Hopper for Open-VC)")
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
+        sys.exit(f"{script} needs a CUDA GPU (Hopper for Open-VC)")
+    random.seed(seed)
+    torch.manual_seed(seed)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "clocks_before": clocks()}
     log(f"{meta['gpu']}, clocks (sm, mem, temp, power) before: {meta['clocks_before']}")
+    return meta
+
+
+def finish_run(meta: dict, rows: list[dict], path: str) -> None:
+    """The clocks after into ``meta``, logged; ``meta`` and ``rows`` written to ``path`` as JSON."""
+    meta["clocks_after"] = clocks()
+    log(f"clocks after: {meta['clocks_after']}")
+    cli.create_parent(path)
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    meta = start_run("bench_attention.py", args.seed)
     rows = bench_captured(args.inputs) if args.inputs else []
     for seq, heads in args.shapes:
         log(f"S={seq} H={heads}")
@@ -364,11 +380,7 @@ def main(argv=None) -> list[dict]:
         else:
             rows.append(bench_shape(seq, heads))
         torch.cuda.empty_cache()
-    meta["clocks_after"] = clocks()
-    log(f"clocks after: {meta['clocks_after']}")
-    cli.create_parent(args.json)
-    with open(args.json, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    finish_run(meta, rows, args.json)
     log(repair_table(rows) if args.repair else table(rows))
     return rows
 

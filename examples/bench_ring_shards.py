@@ -14,12 +14,10 @@ sampled query rows, both against float64 attention; the largest lse difference f
 """
 
 import argparse
-import json
 import random
-import sys
 
 import torch
-from bench_attention import attention_flop, log, sampled_exact, shapes, tflops, time_ms
+from bench_attention import attention_flop, finish_run, log, sampled_exact, shapes, start_run, tflops, time_ms
 
 from openvc_diffusers import cli
 from openvc_diffusers.gpu_state import clocks
@@ -138,23 +136,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench_ring_shards.py needs a CUDA GPU (Hopper for Open-VC)")
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "clocks_before": clocks()}
-    log(f"{meta['gpu']}, clocks (sm, mem, temp, power) before: {meta['clocks_before']}")
+    meta = start_run("bench_ring_shards.py", args.seed)
     rows = []
     for seq, heads in args.shapes:
         log(f"S={seq} H={heads}")
         with torch.inference_mode():
             rows.extend(bench_shape(seq, heads, args.shards, args.smooth_k))
         torch.cuda.empty_cache()
-    meta["clocks_after"] = clocks()
-    log(f"clocks after: {meta['clocks_after']}")
-    cli.create_parent(args.json)
-    with open(args.json, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    finish_run(meta, rows, args.json)
     log(table(rows))
     return rows
 
