@@ -48,6 +48,7 @@ def compile_attention(config: ForwardConfig, kernel_class: type | None = None):
         d_k=row_major_fake(cutlass.Float32, (batch, heads, n_k), 4),
         d_v=row_major_fake(cutlass.Float32, (batch, heads), 4),
         d_k_repair=row_major_fake(cutlass.Float32, (batch, heads, n_r), 4),
+        tile_repair=row_major_fake(cutlass.Int32, (batch, heads, n_r), 4),
         out=row_major_fake(cutlass.BFloat16, (batch, s_q, heads, HEAD_DIM), 16),
         lse=row_major_fake(cutlass.Float32, (batch, heads, n_lse), 4),
         piece_sums=row_major_fake(cutlass.Float32, (slots, TILE_M, PV_N), 16),
@@ -120,6 +121,8 @@ def build_failure(
         from . import prep_ops
 
         prep_ops.load_kernels(dtype, smooth_k=smooth_k, energy=repair)
+        if repair:
+            prep_ops.load_prep("repair_rows", dtype)
         _kernel(ForwardConfig(plain_order=plain_order, write_lse=lse))
     except KernelUnavailableError as error:
         return str(error)
@@ -160,7 +163,7 @@ def forward_args(
     batch, heads, s_q_pad, _ = p.q8.shape
     units = batch * heads * (s_q_pad // BLOCK)
     sms = sm_count(out.device) if split_tail else None
-    plan = plan_tail_split(units, num_blocks(p.seqlen_k), sms, repair=p.repair_tiles > 0)
+    plan = plan_tail_split(units, num_blocks(p.seqlen_k), sms)
     piece_sums, piece_anchors, arrivals = _split_workspace(plan, out.device)
     return ForwardArgs(
         q8=p.q8,
@@ -169,8 +172,10 @@ def forward_args(
         d_q=p.d_q,
         d_k=p.d_k,
         d_v=p.d_v,
-        # Without repair the kernel never reads d_k_repair: a compact (B, H, 1) stand-in, never an empty tensor.
+        # Without repair the kernel never reads d_k_repair and tile_repair: compact (B, H, 1) stand-ins, never
+        # empty tensors.
         d_k_repair=p.d_k_repair if p.repair_tiles else p.d_v[..., None],
+        tile_repair=p.tile_repair if p.repair_tiles else p.d_v[..., None].view(torch.int32),
         out=out,
         # The kernel without write_lse does not take lse: the same compact stand-in as d_k_repair's.
         lse=lse if lse is not None else p.d_v[..., None],

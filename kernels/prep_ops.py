@@ -12,20 +12,22 @@ import torch
 from cutlass import Float32, Uint8
 
 from .compile_cache import load_or_compile
-from .preparation import Prepared, PrepareOptions, write_repair_rows
+from .preparation import Prepared, PrepareOptions
 from .quant import BLOCK, apply_descale_guards, num_blocks, smoothing_mean, softmax_scale_or_default
 from .repair import choose_repair_tokens, repair_count
 from .sm90.layout import HEAD_DIM, PV_N
-from .sm90.prep import AbsmaxPerHead, PackV, QuantizePerBlock
+from .sm90.prep import AbsmaxPerHead, PackV, QuantizePerBlock, RepairRows
 from .sm90.target import COMPILE_OPTIONS, row_major_fake
 
 INPUT_ALIGN = 16
 """Bytes: the vector width of every global access of the preparation kernels."""
 TORCH_TO_CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 
-PREP_KINDS = ("quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy")
+PREP_KINDS = (
+    "quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy", "repair_rows"
+)
 """The compiled kernels: quantize Q or K, K minus its channel mean (smooth_k), V's absmax, packed V without and
-with the residual energies (V residual repair)."""
+with the residual energies, and the repair keys (V residual repair)."""
 
 
 def _input_fake(dtype: type[cutlass.Numeric]):
@@ -62,6 +64,14 @@ def compile_prep(kind: str, dtype: torch.dtype):
         args = (QuantizePerBlock(), x, x8, d, mean)
     elif kind == "absmax_per_head":
         args = (AbsmaxPerHead(), x, per_head)
+    elif kind == "repair_rows":
+        s_all, n_k, repair_keys = cute.sym_int(divisibility=BLOCK), cute.sym_int(), cute.sym_int(divisibility=BLOCK)
+        args = (
+            RepairRows(), x, row_major_fake(cutlass.Int64, (b, h, cute.sym_int()), 8),
+            row_major_fake(Uint8, (b, h, s_all, HEAD_DIM), 16), row_major_fake(Float32, (b, h, n_k), 4),
+            row_major_fake(Uint8, (b, h, PV_N, s_all), 16), per_head,
+            row_major_fake(Float32, (b, h, repair_keys), 4), row_major_fake(cutlass.Int32, (b, h, repair_keys), 4),
+        )
     else:
         energy = row_major_fake(Float32, (b, h, cute.sym_int()), 4) if kind == "pack_v_energy" else None
         args = (PackV(), x, per_head, _rows_fake((b, h, PV_N, s_pad)), row_major_fake(Float32, (b, h), 4), energy)
@@ -98,6 +108,7 @@ def empty_prepared(
         v_packed=empty(batch, heads, PV_N, n_k * BLOCK + repair_keys, dtype=torch.uint8),
         d_v=empty(batch, heads, dtype=torch.float32),
         d_k_repair=empty(batch, heads, repair_keys, dtype=torch.float32),
+        tile_repair=empty(batch, heads, repair_keys, dtype=torch.int32),
         seqlen_k=seq_k,
     )
 
@@ -170,11 +181,13 @@ def prepare(
     Byte-identical to ``preparation.prepare_reference`` with the same options, ``v_absmax`` and ``k_mean`` (the
     descale guards of ``quant.apply_descale_guards`` included; ``softmax_scale`` defaults to ``1 / sqrt(128)``),
     except that the repair tokens are ranked by residual energies summed in another order (the choice can differ
-    where two tokens nearly tie).
+    where two tokens nearly tie). With repair: the four launches of ``prepare_into``, the ranking's ops, and one
+    launch for the repair keys (``sm90.prep.RepairRows``).
     Arguments are checked by the caller (``validation``, ``support``): same device, dtype, batch and heads.
     """
     batch, seq_q, heads, _ = q.shape
     seq_k = k.shape[1]
+    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     count = repair_count(seq_k, options.repair_ratio)
     out = empty_prepared(batch, seq_q, seq_k, heads, q.device, repair_keys=num_blocks(count) * BLOCK)
     energy = torch.empty(batch, heads, seq_k, dtype=torch.float32, device=q.device) if count else None
@@ -186,5 +199,6 @@ def prepare(
         tokens = choose_repair_tokens(
             energy, count, q, k, ranking=options.repair_ranking, softmax_scale=options.softmax_scale
         )
-        write_repair_rows(out, v, tokens)
+        repair_rows = load_prep("repair_rows", v.dtype)
+        repair_rows(v, tokens, out.k8, out.d_k, out.v_packed, out.d_v, out.d_k_repair, out.tile_repair)
     return out

@@ -29,9 +29,10 @@ class Prepared(NamedTuple):
     """Kernel inputs: FP8 bytes as uint8, FP32 descales, packed V; ``seqlen_k`` counts the real keys.
 
     q8 (B, H, Sq_pad, 128), d_q (B, H, n_q), k8 (B, H, Sk_pad + R, 128), d_k (B, H, n_k),
-    v_packed (B, H, 136, Sk_pad + R), d_v (B, H), d_k_repair (B, H, R); all contiguous. R (a multiple of 128,
-    0 without V residual repair) counts the repair keys after the real ones (``write_repair_rows``): K
-    rows of chosen tokens, each with its own block's descale in ``d_k_repair``, and their V residuals.
+    v_packed (B, H, 136, Sk_pad + R), d_v (B, H), d_k_repair (B, H, R), tile_repair (B, H, R) int32; all
+    contiguous. R (a multiple of 128, 0 without V residual repair) counts the repair keys after the real ones
+    (``write_repair_rows``): K rows of chosen tokens, each with its own block's descale in ``d_k_repair`` and its
+    block's index in ``tile_repair`` (which piece of a split unit keeps it, ``split.py``), and their V residuals.
     """
 
     q8: torch.Tensor
@@ -41,6 +42,7 @@ class Prepared(NamedTuple):
     v_packed: torch.Tensor
     d_v: torch.Tensor
     d_k_repair: torch.Tensor
+    tile_repair: torch.Tensor
     seqlen_k: int
 
     @property
@@ -51,7 +53,8 @@ class Prepared(NamedTuple):
 def write_repair_rows(prepared: Prepared, v: torch.Tensor, tokens: torch.Tensor) -> None:
     """Fill the R repair keys of ``prepared`` (real keys written, room for R after them) for ``tokens``
     (B, H, count <= R), from ``(B, S, H, 128)`` v: each token's K row and its block's descale, the FP8 bytes of
-    ``r / d_V`` with ``r = V - d_V V8`` (V8 read back from packed V), 0 in the ones rows, zero keys after them.
+    ``r / d_V`` with ``r = V - d_V V8`` (V8 read back from packed V), 0 in the ones rows, zero keys (in tile 0)
+    after them.
     """
     s_pad, count = padded_len(prepared.seqlen_k), tokens.shape[-1]
     k_rows = prepared.k8[:, :, s_pad:]
@@ -59,6 +62,8 @@ def write_repair_rows(prepared: Prepared, v: torch.Tensor, tokens: torch.Tensor)
     k_rows[:, :, count:] = 0
     prepared.d_k_repair[..., :count] = repair_descales(prepared.d_k, tokens)
     prepared.d_k_repair[..., count:] = 0
+    prepared.tile_repair[..., :count] = tokens // BLOCK
+    prepared.tile_repair[..., count:] = 0
     columns = packed_position(tokens)[:, :, None, :].expand(-1, -1, HEAD_DIM, -1)
     v8 = prepared.v_packed[:, :, :HEAD_DIM].gather(3, columns).transpose(2, 3).view(torch.float8_e4m3fn)
     prepared.v_packed[..., s_pad:] = pack_v(repair_values(v, v8, tokens, prepared.d_v), ones=False)
@@ -91,6 +96,7 @@ def prepare_reference(
         torch.nn.functional.pad(pack_v(v8), (0, room)),
         d_v.contiguous(),
         d_k.new_empty(*d_k.shape[:2], room),
+        torch.empty(*d_k.shape[:2], room, dtype=torch.int32, device=d_k.device),
         k.shape[1],
     )
     if count:

@@ -5,7 +5,8 @@ tile visit the 128-key tiles in mid-window order,
 keep the running max on the K-descaled score, encode each score with ExpCast on an integer-anchored code
 grid, rescale earlier accumulators whenever the anchor moves, sum the decoded codes into both the
 numerator and the denominator, visit V-repair rows last (numerator only), and divide. Query tiles the kernel
-splits (``split.py``, given ``sm_count``) run as its pieces do and merge as it merges them.
+splits (``split.py``, given ``sm_count``) run as its pieces do (each keeping the repair keys of the tokens it
+visited) and merge as it merges them.
 All query tiles advance together (one batched matmul per visiting step), so S = 4096 runs in about a second
 on two CPU cores. Rounding can differ from the kernel only in FP32 accumulation order and in the MUFU
 exponentials of the rescale and the merge, so codes agree except at rare rounding ties.
@@ -15,6 +16,7 @@ checks that each name is in both sources:
 
     d_q, d_k, d_v | d_q, d_k, d_v | descales of the Q blocks, K blocks and V heads
     d_k_repair | d_k_repair | each repair key's K descale (its token's block's)
+    tile_repair | tile_repair | each repair key's token's key tile (which piece keeps it: ``split.piece_visits``)
     codes_per_dot | codes_per_dot | fp32(tau * 8 log2 e): codes per unit of q . k (``expcast.codes_per_dot``)
     s | s | codes per K-descaled raw score of a query block: fp32(codes_per_dot * d_q)
     raw | scores | a tile's raw FP32 scores Q8 . K8
@@ -47,7 +49,7 @@ from .quant import (
     softmax_scale_or_default,
 )
 from .repair import gather_tokens, rank_repair_tokens, repair_count, repair_descales, repair_values
-from .split import merge_pieces, piece_steps, plan_tail_split
+from .split import merge_pieces, piece_steps, piece_visits, plan_tail_split
 from .validation import check_attention_args, check_shared_scales
 from .wgmma import PV_PROMOTE_EVERY, wgmma_e4m3_dot
 
@@ -91,7 +93,8 @@ class _Keys(NamedTuple):
     in FP32, 128-key tiles. ``v`` holds ``(bh, tile, D, 128)`` V^T, with a ones row (the denominator) for every
     real key when summing like the wgmma, else ``(bh, tile, 128, D)``. The repair tiles (``None`` without repair)
     follow the real ones, zero keys padding the last: ``k_repair`` (bh, tile, 128, D), ``d_k_repair`` (bh, tile,
-    128: each key keeps its own block's descale), ``v_repair`` laid out as ``v`` with 0 in the ones row."""
+    128: each key keeps its own block's descale), ``tile_repair`` (bh, tile, 128: its token's key tile, 0 for the
+    padding), ``v_repair`` laid out as ``v`` with 0 in the ones row."""
 
     k: torch.Tensor
     d_k: torch.Tensor
@@ -99,6 +102,7 @@ class _Keys(NamedTuple):
     valid: torch.Tensor
     k_repair: torch.Tensor | None
     d_k_repair: torch.Tensor | None
+    tile_repair: torch.Tensor | None
     v_repair: torch.Tensor | None
 
 
@@ -130,8 +134,9 @@ def _visit(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's loop for units (query tiles) ``q`` (u, 128, D) with codes per score ``s`` (u, 1) and key
     pairs ``bh`` (u,) over the steps ``steps`` of their visiting ``order`` (u, n_k), then, with ``repair`` (the
-    keys have repair tiles), the repair tiles on the final anchor (numerator only). Returns the unnormalised sums
-    ``acc`` (u, 128, D), ``l`` (u, 128) and the final ``anchor`` (u, 128)."""
+    keys have repair tiles), the repair tiles on the final anchor (numerator only), keeping the keys whose tokens
+    lie in tiles these steps visited (all of them where ``steps`` is the whole order). Returns the unnormalised
+    sums ``acc`` (u, 128, D), ``l`` (u, 128) and the final ``anchor`` (u, 128)."""
     dot = wgmma_e4m3_dot if like_wgmma else lambda a, b: a @ b.transpose(-1, -2)
     m = torch.full(q.shape[:2], -math.inf, device=q.device)
     anchor = None
@@ -164,6 +169,7 @@ def _visit(
         else:
             acc += p @ keys.v[bh, tile]
             l += p.sum(dim=-1)
+    step_of = order.argsort(dim=1) if repair else None  # (u, n_k): the step at which a unit visits each key tile
     for j in range(keys.k_repair.shape[1] if repair else 0):
         # Each repair tile is one more step of the PV chain; zero keys pad the last (zero V adds nothing).
         if like_wgmma and (len(steps) + j) % promote_every == 0:
@@ -171,6 +177,7 @@ def _visit(
             pv = None
         raw = dot(q, keys.k_repair[bh, j])
         p = expcast_decode(anchored_encode(raw, s[..., None] * keys.d_k_repair[bh, j][:, None, :], anchor[..., None]))
+        p = torch.where(piece_visits(step_of.gather(1, keys.tile_repair[bh, j]), steps)[:, None, :], p, 0.0)
         if like_wgmma:
             pv = wgmma_e4m3_dot(p, keys.v_repair[bh, j], pv)
         else:
@@ -273,7 +280,7 @@ def _simulate(
     pairs = batch * heads
     valid = (torch.arange(n_k * BLOCK, device=q.device) < s_k).view(n_k, BLOCK)
     v_tiles = _tiles(v8.float().reshape(pairs, s_k, dim), n_k)
-    repair = [None] * 3
+    repair = [None] * 4
     count = repair_count(s_k, repair_ratio)
     if count > 0:
         # The repair keys of the preparation (``preparation.prepare_reference``), in tiles.
@@ -284,6 +291,7 @@ def _simulate(
         repair = [
             _tiles(gather_tokens(k8.float(), tokens).reshape(pairs, count, dim), n_r),
             _tiles(repair_descales(d_k, tokens).reshape(pairs, count), n_r),
+            _tiles((tokens // BLOCK).reshape(pairs, count), n_r),
             _v_operand(_tiles(v_rows, n_r), valid.new_zeros(n_r, BLOCK) if like_wgmma else None),
         ]
     keys = _Keys(
@@ -300,14 +308,14 @@ def _simulate(
     s = codes_per_score(codes_per_dot(tau), d_q).reshape(units, 1)
     bh = torch.arange(units, device=q.device) // n_q
     order = visiting_order(n_q, n_k, window).to(q.device).repeat(pairs, 1)
-    plan = plan_tail_split(units, n_k, sm_count, repair=count > 0)
+    plan = plan_tail_split(units, n_k, sm_count)
     whole = slice(0, plan.whole_units)
     visit = functools.partial(_visit, keys=keys, like_wgmma=like_wgmma, promote_every=promote_every)
     acc, l, anchor = visit(q_units[whole], s[whole], bh[whole], order[whole], range(n_k), repair=count > 0)
     if plan.splits > 1:
         tail = slice(plan.whole_units, units)
         tail_units = (q_units[tail], s[tail], bh[tail], order[tail])
-        pieces = [visit(*tail_units, piece_steps(p, plan.splits, n_k), repair=False) for p in range(plan.splits)]
+        pieces = [visit(*tail_units, piece_steps(p, plan.splits, n_k), repair=count > 0) for p in range(plan.splits)]
         acc_tail, l_tail, anchor_tail = merge_pieces(pieces)
         acc, l, anchor = torch.cat([acc, acc_tail]), torch.cat([l, l_tail]), torch.cat([anchor, anchor_tail])
 

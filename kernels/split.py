@@ -13,8 +13,10 @@ them in piece order:
 
 and divides as an unsplit unit does. ``merge_pieces`` is that merge for the reference. A split unit's output
 differs from the unsplit one only in rounding (the codes sit on each piece's grid, not the unit's).
-V residual repair encodes its keys on the unit's final anchor, which no single piece knows, so calls with repair
-keys never split.
+V residual repair keys: every piece visits the repair tiles after its own steps, and keeps the repair keys whose
+token lies in a key tile it visited (``piece_visits``), encoded on its own final anchor; the others code 0. A repair
+key's score is its token's, so it never tops the max of the piece that visited the token, as in an unsplit unit
+(one piece owning every token, on the unit's final anchor).
 """
 
 from typing import NamedTuple
@@ -45,7 +47,7 @@ class TailSplit(NamedTuple):
         return self.whole_units + self.split_units * self.splits
 
 
-def plan_tail_split(units: int, key_tiles: int, sm_count: int | None, repair: bool = False) -> TailSplit:
+def plan_tail_split(units: int, key_tiles: int, sm_count: int | None) -> TailSplit:
     """The kernel's split for ``units`` CTAs of ``key_tiles`` steps each on ``sm_count`` SMs (None: no split).
 
     The last wave's ``units mod sm_count`` units take as many pieces each as fill the SMs once, at most
@@ -53,7 +55,7 @@ def plan_tail_split(units: int, key_tiles: int, sm_count: int | None, repair: bo
     """
     tail = units % sm_count if sm_count else 0
     splits = 1
-    if tail and not repair:
+    if tail:
         splits = min(sm_count // tail, key_tiles // MIN_STEPS_PER_PIECE, MAX_SPLITS)
     if splits < 2:
         return TailSplit(units, units, 1)
@@ -63,6 +65,12 @@ def plan_tail_split(units: int, key_tiles: int, sm_count: int | None, repair: bo
 def piece_steps(piece: int, splits: int, key_tiles: int) -> range:
     """The visiting steps of piece ``piece`` of ``splits``: consecutive, as even as whole tiles allow."""
     return range(piece * key_tiles // splits, (piece + 1) * key_tiles // splits)
+
+
+def piece_visits(step: torch.Tensor, steps: range) -> torch.Tensor:
+    """Whether the piece of ``steps`` visits the key tiles its unit visits at ``step``: the repair keys of those
+    tiles' tokens are its own."""
+    return (step >= steps.start) & (step < steps.stop)
 
 
 def merge_pieces(

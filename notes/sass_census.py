@@ -25,7 +25,9 @@ FORWARD = (
     "compile_attention(ForwardConfig(plain_order={plain}, write_lse={lse}))"
 )
 PREP = "import torch; from openvc_kernels.prep_ops import compile_prep; compile_prep({kind!r}, torch.{dtype})"
-PREP_KINDS = ("quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy")
+PREP_KINDS = (
+    "quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy", "repair_rows"
+)
 KERNELS = {
     "fwd_window": FORWARD.format(plain=False, lse=False),
     "fwd_plain": FORWARD.format(plain=True, lse=False),

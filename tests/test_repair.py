@@ -36,6 +36,8 @@ def test_repair_keys_follow_the_reference_choice(fresh_seed, ranking):
     assert (repaired.k8[:, :, s_pad + count :] == 0).all()
     assert torch.equal(repaired.d_k_repair[..., :count], prepared.d_k.gather(2, tokens // BLOCK))
     assert (repaired.d_k_repair[..., count:] == 0).all()
+    assert torch.equal(repaired.tile_repair[..., :count], (tokens // BLOCK).int())
+    assert (repaired.tile_repair[..., count:] == 0).all()
 
     values = repaired.v_packed[..., s_pad:]
     assert torch.equal(values, pack_v(quantize_repair_rows(gather_tokens(residual, tokens), d_v), ones=False))

@@ -125,6 +125,21 @@ def test_tail_split_matches_reference(batch, seq, heads, window):
             assert torch.equal(_run_poisoned(q, k, v, window), split)
 
 
+@pytest.mark.parametrize("window", [4, None])
+def test_tail_split_with_repair_matches_reference(window):
+    """On an H200 every unit of 2 x 4096 x 1 runs in 2 pieces, each keeping the repair keys of the tokens it
+    visited (V with outliers, so those keys weigh): against the reference that splits alike, and repeated calls
+    bitwise identical."""
+    q, k, v = _inputs(2, 4096, 4096, 1)
+    v = _outlier_values(v)
+    if plan_tail_split(2 * num_blocks(4096), num_blocks(4096), sm_count(q.device)).splits < 2:
+        pytest.skip("this GPU's SM count does not split these units")
+    out = attention(q, k, v, repair_ratio=0.02, window=window)
+    _assert_matches(out, q, k, v, repair_ratio=0.02, window=window)
+    for _ in range(2):
+        assert torch.equal(attention(q, k, v, repair_ratio=0.02, window=window), out)
+
+
 @pytest.mark.parametrize("window", [None, 0, 1, 4, 100])
 def test_visiting_orders(window):
     q, k, v = _exact_score_inputs(1, 1500, 1500, 2)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from openvc_kernels.preparation import Prepared, PrepareOptions, prepare_reference
+from openvc_kernels.preparation import Prepared, PrepareOptions, prepare_reference, write_repair_rows
 from openvc_kernels.quant import BLOCK, quantize_per_head
 from openvc_kernels.repair import attention_mass, residual_energy, v_residual
 from openvc_kernels.sm90.layout import CHUNK, KEY_PERMUTATION
@@ -108,9 +108,16 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
     # Straight-line kernels: no loops, so a launch always terminates once every thread reaches bar.sync 0.
     assert compiled["backward_branches"] == [], compiled["backward_branches"]
     count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))
+    assert count("ld.local") == 0 and count("st.local") == 0, "registers spilled"
+    if kind == "repair_rows":
+        # A thread's 64 channels of one repair key: each residual one product rounded alone and one IEEE division,
+        # as torch's kernels round them, then two values per RNE-saturating conversion.
+        assert ops.get("mul.rn.f32") == 64 and ops.get("div.rn.f32") == 64
+        assert count("rcp") == 0 and count("div.approx") == 0 and count("div.full") == 0
+        assert ops.get("cvt.rn.satfinite.e4m3x2.f32") == 32
+        return
     # The block is read once, with 16-byte loads: 8 per thread (and 4 for the 16 channel means K smoothing subtracts).
     assert ops.get("ld.global.v4.b32") == 8 + 4 * (kind == "quantize_centered_per_block")
-    assert count("ld.local") == 0 and count("st.local") == 0, "registers spilled"
     if kind == "absmax_per_head":
         assert count("atom.global.max") == 1
         return
@@ -274,6 +281,32 @@ def test_attention_mass_from_16_bit_inputs(seed, batch):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch,seq_len,heads,count", [(1, 129, 1, 1), (2, 4100, 12, 41), (1, 32760, 3, 300)])
+def test_repair_rows_are_the_reference_rows(seed, dtype, batch, seq_len, heads, count):
+    """RepairRows given the reference's tokens writes the bytes of ``preparation.write_repair_rows``: K rows, K
+    descales, key tiles, value rows and zero ones rows, and zero keys after the count, over poisoned buffers.
+    Heavy-tailed V (large residuals) and a head with an inf (NaN residuals) included."""
+    q, k, v = (_inputs("heavy", (batch, seq_len, heads, 128), dtype, "cuda") for _ in range(3))
+    v[0, seq_len // 2, heads - 1, 3] = float("inf")
+    options = PrepareOptions(repair_ratio=count / seq_len)
+    ref = _reference(q, k, v, options)
+    assert ref.repair_tiles == -(-count // BLOCK)
+    tokens = torch.topk(torch.rand(batch, heads, seq_len, device="cuda"), count, dim=-1).indices
+    write_repair_rows(ref, v, tokens)
+    s_pad = ref.d_k.shape[2] * BLOCK
+    out = ref._replace(k8=ref.k8.clone(), v_packed=ref.v_packed.clone(), d_k_repair=torch.empty_like(ref.d_k_repair),
+                       tile_repair=torch.empty_like(ref.tile_repair))
+    for t in (out.k8[:, :, s_pad:], out.v_packed[..., s_pad:], out.d_k_repair, out.tile_repair):
+        t.view(torch.uint8).fill_(POISON)
+    prep_ops.load_prep("repair_rows", dtype)(
+        v, tokens, out.k8, out.d_k, out.v_packed, out.d_v, out.d_k_repair, out.tile_repair
+    )
+    _assert_identical(out, ref, f"seed {seed}")
+
+
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("ranking", ["attention", "energy"])
 @pytest.mark.parametrize("smooth_k", [False, True])
 def test_prepare_with_repair_keys(seed, monkeypatch, ranking, smooth_k):
@@ -287,13 +320,16 @@ def test_prepare_with_repair_keys(seed, monkeypatch, ranking, smooth_k):
     out, ref = prep_ops.prepare(q, k, v, options), _reference(q, k, v, options)
 
     s_pad = 33 * BLOCK
-    real = out._replace(k8=out.k8[:, :, :s_pad], v_packed=out.v_packed[..., :s_pad], d_k_repair=ref.d_k_repair)
+    real = out._replace(
+        k8=out.k8[:, :, :s_pad], v_packed=out.v_packed[..., :s_pad], d_k_repair=ref.d_k_repair,
+        tile_repair=ref.tile_repair,
+    )
     ref_real = ref._replace(k8=ref.k8[:, :, :s_pad], v_packed=ref.v_packed[..., :s_pad])
     _assert_identical(real, ref_real, f"real keys, seed {seed}")
     assert out.repair_tiles == ref.repair_tiles == 1
     same_key = (out.k8[:, :, s_pad:] == ref.k8[:, :, s_pad:]).all(-1)
     same_value = (out.v_packed[..., s_pad:] == ref.v_packed[..., s_pad:]).all(2)
-    same = same_key & same_value & (out.d_k_repair == ref.d_k_repair)
+    same = same_key & same_value & (out.d_k_repair == ref.d_k_repair) & (out.tile_repair == ref.tile_repair)
     assert same.float().mean() >= 0.99, f"{int((~same).sum())} of {same.numel()} repair keys differ (seed {seed})"
     assert (out.v_packed[:, :, 128:, s_pad:] == 0).all(), "repair keys must stay out of the denominator"
 

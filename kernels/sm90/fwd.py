@@ -14,7 +14,8 @@ Shared memory (FP8 bytes, 128B-swizzled, K-major rows of 128 bytes):
   sV  (136 packed-V rows, 128 key positions, KV_STAGES)   rows 128..135 are the ones rows
 Global inputs (all FP8 as uint8 bytes): q8 (B, H, Sq_pad, 128), k8 (B, H, Sk_pad + R, 128); packed V
 (B, H, 136, Sk_pad + R); descales d_q (B, H, n_q), d_k (B, H, n_k), d_v (B, H), d_k_repair (B, H, R) for the
-R = 128 * repair_tiles V-repair keys after the real ones (visited last, on the final anchor, ones rows 0);
+R = 128 * repair_tiles V-repair keys after the real ones (visited last, on the final anchor, ones rows 0; a piece
+keeps those whose token's tile, tile_repair (B, H, R) int32, it visited);
 output (B, S, H, 128) bf16; with ``ForwardConfig.write_lse`` each row's log-sum-exp lse (B, H, S) fp32; the split's
 workspace (``pieces.py``).
 
@@ -103,10 +104,12 @@ class Visit(NamedTuple):
 
 class Keys(NamedTuple):
     """What a consumer knows of the keys besides their tiles: the K descales of the real tiles (n_k,) and of the
-    repair keys (R,), the last real tile, and how many real keys it holds (the rest are padding)."""
+    repair keys (R,), the repair keys' tokens' tiles (R,), the last real tile, and how many real keys it holds (the
+    rest are padding)."""
 
     d_k: cute.Tensor
     d_k_repair: cute.Tensor
+    tile_repair: cute.Tensor
     last_tile: Int32
     last_valid: Int32
 
@@ -182,6 +185,7 @@ class ExpCastAttentionSm90:
         d_k: cute.Tensor,
         d_v: cute.Tensor,
         d_k_repair: cute.Tensor,
+        tile_repair: cute.Tensor,
         out: cute.Tensor,
         lse: cute.Tensor,
         piece_sums: cute.Tensor,
@@ -197,7 +201,7 @@ class ExpCastAttentionSm90:
     ):
         """``codes_per_dot`` is ``expcast.codes_per_dot(softmax_scale)``; times d_q it is each row's codes per score
         ``s`` (``reference.codes_per_score``). The units after ``whole_units`` run ``splits`` pieces each
-        (``split.plan_tail_split``; never with repair tiles). ``lse`` (B, H, S) is written only with
+        (``split.plan_tail_split``). ``lse`` (B, H, S) is written only with
         ``ForwardConfig.write_lse``; the kernel without it does not take it (any FP32 stand-in will do)."""
         mQ, mK, mV = [_as_fp8_tma_view(t) for t in (q8, k8, v_packed)]
         sQ_layout = _smem_layout(TILE_M)
@@ -241,7 +245,7 @@ class ExpCastAttentionSm90:
         # Divisors for the CTA's unit and piece, by multiply and shift (an integer division would convert).
         divisors = [cute.fast_divmod_create_divisor_v2(x) for x in (n_q_tiles, q8.shape[1], splits)]
         self.kernel(
-            mQ, mK, mV, d_q, d_k, d_v, d_k_repair, out, _taken(lse, self.config.write_lse),
+            mQ, mK, mV, d_q, d_k, d_v, d_k_repair, tile_repair, out, _taken(lse, self.config.write_lse),
             piece_sums, piece_anchors, arrivals,
             tma_q, tma_k, tma_v,
             codes_per_dot, seqlen_k, window, repair_tiles, whole_units, *divisors,
@@ -265,6 +269,7 @@ class ExpCastAttentionSm90:
         d_k: cute.Tensor,
         d_v: cute.Tensor,
         d_k_repair: cute.Tensor,
+        tile_repair: cute.Tensor,
         out: cute.Tensor,
         lse: cute.Tensor | None,
         piece_sums: cute.Tensor,
@@ -341,7 +346,8 @@ class ExpCastAttentionSm90:
             slot = (unit - whole_units) * n_pieces  # the unit's first piece slot, if it is split
             self.consume(
                 sQ, sK, sV, d_q[batch, head, None], d_k[batch, head, None], d_v[batch, head],
-                d_k_repair[batch, head, None], out[batch, None, head, None], _head_rows(lse, batch, head),
+                d_k_repair[batch, head, None], tile_repair[batch, head, None], out[batch, None, head, None],
+                _head_rows(lse, batch, head),
                 tiled_mma_qk, tiled_mma_pv,
                 pipeline_q, pipeline_k, pipeline_v, tidx, m_block, visit, codes_per_dot, seqlen_k, repair_tiles,
                 Piece(piece, n_pieces, slot, piece_sums, piece_anchors, arrivals[unit - whole_units, None],
@@ -357,6 +363,18 @@ class ExpCastAttentionSm90:
             if j < 0:
                 j = j + visit.n_k
         return j
+
+    @cute.jit
+    def piece_visits(self, tile: Int32, visit: Visit) -> cutlass.Boolean:
+        """Whether this CTA's steps visit key tile ``tile`` (``tile_at``'s inverse): the repair keys of its tokens are
+        this CTA's (``split.piece_visits``)."""
+        step = tile
+        if const_expr(not self.config.plain_order):
+            step = visit.start - tile
+            if step < 0:
+                step = step + visit.n_k
+        offset = step - visit.first
+        return (offset >= 0) & (offset < visit.n_real)
 
     @cute.jit
     def kv_index(self, j: Int32, visit: Visit) -> Int32:
@@ -425,6 +443,7 @@ class ExpCastAttentionSm90:
         d_k: cute.Tensor,
         d_v: Float32,
         d_k_repair: cute.Tensor,
+        tile_repair: cute.Tensor,
         out: cute.Tensor,
         lse: cute.Tensor | None,
         tiled_mma_qk: cute.TiledMma,
@@ -461,7 +480,7 @@ class ExpCastAttentionSm90:
         key_coords = softmax.rows_view(thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
         rows = self.softmax_class(acc_s, key_coords, mul_rn(codes_per_dot, d_q[m_block]))
         last_tile = visit.n_k - 1
-        keys = Keys(d_k, d_k_repair, last_tile, seqlen_k - last_tile * TILE_N)
+        keys = Keys(d_k, d_k_repair, tile_repair, last_tile, seqlen_k - last_tile * TILE_N)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_q.consumer_wait(q_state)
@@ -522,7 +541,8 @@ class ExpCastAttentionSm90:
         """Step j: QK^T(j) and PV(j - 1) in flight together, then key tile j's softmax, then PV(j - 1)'s sum.
 
         A repair tile neither moves the max nor the anchor: its keys encode on the final grid, each with its own K
-        descale. ``consume`` binds every argument after ``repair`` once, for the whole loop.
+        descale, those of tokens in tiles this CTA did not visit (another piece's) to 0. ``consume`` binds every
+        argument after ``repair`` once, for the whole loop.
         """
         prev = state.clone()
         state.advance()
@@ -537,7 +557,8 @@ class ExpCastAttentionSm90:
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(state)
         if const_expr(repair):
-            rows.encode_repair(keys.d_k_repair, (j - visit.n_real) * TILE_N)
+            visits = functools.partial(self.piece_visits, visit=visit)
+            rows.encode_repair(keys.d_k_repair, keys.tile_repair, (j - visit.n_real) * TILE_N, visits)
         else:
             tile = self.tile_at(visit.first + j, visit)
             rows.online_codes(tile == keys.last_tile, keys.last_valid, keys.d_k[tile], False)

@@ -8,16 +8,21 @@ Inputs are diffusers' ``(B, S, H, 128)`` fp16/bf16, any strides whose head-dim s
 multiples of 8 elements (16 bytes); anything else is copied once by ``prep_ops.prepare``.
 
 Four launches, stream-ordered, no host synchronisation, capturable in a CUDA graph (then the descale guards,
-``quant.apply_descale_guards``, a few small PyTorch ops on the descales):
+``quant.apply_descale_guards``, a few small PyTorch ops on the descales), and with V residual repair, after the
+ranking (``repair.choose_repair_tokens``), a fifth:
 
   QuantizePerBlock (Q)  x (B, S, H, 128)  -> x8 (B, H, S_pad, 128) E4M3, d (B, H, n_blocks)
   QuantizePerBlock (K)  same, optionally minus the channel mean (B, H, 128)
   AbsmaxPerHead    (V)  v                 -> amax (B, H): atomic max of each block's absmax
   PackV            (V)  v, amax           -> v_packed (B, H, 136, S_pad) E4M3, d_v (B, H),
                                              optionally each token's residual energy (B, H, S) for repair
+  RepairRows            v, tokens (B, H, count), k8, d_k, v_packed, d_v
+                                          -> the R repair keys after the real ones in k8 and v_packed,
+                                             d_k_repair (B, H, R), tile_repair (B, H, R)
 
 The outputs may be views into larger buffers (their batch, head and row strides are free): with V residual
-repair, k8 and v_packed have room for the repair keys after the real ones (``preparation.write_repair_rows``).
+repair, k8 and v_packed have room for the repair keys after the real ones, which RepairRows writes as
+``preparation.write_repair_rows`` does.
 
 Every CTA owns one 128-token block of one (b, h): 256 threads, each holding 16 consecutive channels of
 4 tokens in registers (the block is read once per kernel). V is read twice: its scale needs the whole head.
@@ -339,3 +344,101 @@ class PackV:
             cute.copy(ones_copy, tOrO, tOgO)
         if n == 0 and tidx == 0:
             mDv[b, h] = descale
+
+
+REPAIR_THREADS_PER_KEY = 2
+"""RepairRows: threads per repair key, each taking half of its channels."""
+REPAIR_CHANNELS = HEAD_DIM // REPAIR_THREADS_PER_KEY
+
+
+@cute.jit
+def _packed_position(key: Int32) -> Int32:
+    """``layout.packed_position`` of one key index: its packed-V column."""
+    b0, lane, b1, half = key & 1, (key >> 1) & 3, (key >> 3) & 1, (key >> 4) & 1
+    return (key & ~(CHUNK - 1)) + b0 + 2 * b1 + 4 * lane + 16 * half
+
+
+class RepairRows:
+    """The V residual repair keys (``preparation.write_repair_rows``, byte for byte): repair key j < count is token
+    t = tokens[j]'s K row with its block's descale and index, and its value row ``e4m3(r / d_V)``,
+    ``r = V - d_V V8`` (V8 read back from packed V), in packed V with 0 in the ones rows; keys count .. R - 1 are
+    zero keys in tile 0. Grid (R / 128, H, B); 256 threads, two per key, each taking 64 of its channels.
+    """
+
+    @cute.jit
+    def __call__(
+        self,
+        mV: cute.Tensor,
+        mTokens: cute.Tensor,
+        mK8: cute.Tensor,
+        mDk: cute.Tensor,
+        mVp: cute.Tensor,
+        mDv: cute.Tensor,
+        mDkRepair: cute.Tensor,
+        mTileRepair: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        """mV (B, S, H, 128) fp16/bf16; mTokens (B, H, count) int64; mK8 (B, H, S_pad + R, 128) uint8; mDk
+        (B, H, n_blocks) fp32; mVp (B, H, 136, S_pad + R) uint8; mDv (B, H) fp32; mDkRepair (B, H, R) fp32;
+        mTileRepair (B, H, R) int32. The real keys (k8, d_k, packed V, d_v) are read, the repair keys written."""
+        self.kernel(mV, mTokens, mK8, mDk, mVp, mDv, mDkRepair, mTileRepair).launch(
+            grid=[mDkRepair.shape[2] // BLOCK, mDkRepair.shape[1], mDkRepair.shape[0]],
+            block=[THREADS, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mV: cute.Tensor,
+        mTokens: cute.Tensor,
+        mK8: cute.Tensor,
+        mDk: cute.Tensor,
+        mVp: cute.Tensor,
+        mDv: cute.Tensor,
+        mDkRepair: cute.Tensor,
+        mTileRepair: cute.Tensor,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        n, h, b = cute.arch.block_idx()
+        key = n * BLOCK + tidx // REPAIR_THREADS_PER_KEY
+        first_channel = (tidx % REPAIR_THREADS_PER_KEY) * REPAIR_CHANNELS
+        s_pad = mDk.shape[2] * BLOCK
+        row = s_pad + key
+        column = s_pad + _packed_position(key)
+        residual8 = cute.make_rmem_tensor(REPAIR_CHANNELS, cutlass.Float8E4M3FN)
+        residual8_bytes = cute.recast_tensor(residual8, Uint8)
+        if key < mTokens.shape[2]:
+            token = Int32(mTokens[b, h, key])
+            tile = token // BLOCK
+            d_v = mDv[b, h]
+            v8 = cute.make_rmem_tensor(REPAIR_CHANNELS, cutlass.Float8E4M3FN)
+            v8_bytes = cute.recast_tensor(v8, Uint8)
+            token_column = _packed_position(token)
+            for c in cutlass.range_constexpr(REPAIR_CHANNELS):
+                channel = first_channel + c
+                mK8[b, h, row, channel] = mK8[b, h, token, channel]
+                v8_bytes[c] = mVp[b, h, channel, token_column]
+            decoded = cute.make_rmem_tensor(REPAIR_CHANNELS, Float32)
+            decoded.store(v8.load().to(Float32))
+            residual = cute.make_rmem_tensor(REPAIR_CHANNELS, Float32)
+            for c in cutlass.range_constexpr(REPAIR_CHANNELS):
+                # The product rounded on its own and one IEEE division, as torch's kernels round them.
+                value = Float32(mV[b, token, h, first_channel + c]) - mul_rn(d_v, decoded[c])
+                residual[c] = value / d_v
+            residual8.store(residual.load().to(cutlass.Float8E4M3FN))
+            if tidx % REPAIR_THREADS_PER_KEY == 0:
+                mDkRepair[b, h, key] = mDk[b, h, tile]
+                mTileRepair[b, h, key] = tile
+        else:
+            residual8_bytes.fill(0)
+            for c in cutlass.range_constexpr(REPAIR_CHANNELS):
+                mK8[b, h, row, first_channel + c] = Uint8(0)
+            if tidx % REPAIR_THREADS_PER_KEY == 0:
+                mDkRepair[b, h, key] = Float32(0.0)
+                mTileRepair[b, h, key] = Int32(0)
+        for c in cutlass.range_constexpr(REPAIR_CHANNELS):
+            mVp[b, h, first_channel + c, column] = residual8_bytes[c]
+        if tidx % REPAIR_THREADS_PER_KEY == 0:
+            for i in cutlass.range_constexpr(ONES_ROWS):
+                mVp[b, h, HEAD_DIM + i, column] = Uint8(0)

@@ -140,13 +140,15 @@ class ExpCastSoftmax:
                 scores[r, i] = cute.math.fma(scores[r, i], coef, bias)
 
     @cute.jit
-    def encode_repair(self, d_k: cute.Tensor, first: Int32):
+    def encode_repair(self, d_k: cute.Tensor, tiles: cute.Tensor, first: Int32, visits):
         """A repair tile: ``encode`` with a coefficient per key (``d_k[first + column]``: repair keys come from any
-        block) on the row's final anchor, which the tile does not move (alpha = 1).
+        block) on the row's final anchor, which the tile does not move (alpha = 1); code 0 for the keys whose token's
+        tile (``tiles[first + column]``) this CTA did not visit (``visits(tile)`` false: another piece's keys).
 
-        A repair key's score equals that of the real key it copies, so its code stays at or below the row max's;
-        the zero keys padding the last repair tile score 0, which a row whose scores are all negative encodes above
-        MAX_CODE (127 would be E4M3's NaN, and NaN times their zero values is NaN): codes are clamped to MAX_CODE.
+        A repair key's score equals that of the real key it copies, which this CTA visited, so its code stays at or
+        below the row max's; the zero keys padding the last repair tile score 0, which a row whose scores are all
+        negative encodes above MAX_CODE (127 would be E4M3's NaN, and NaN times their zero values is NaN): codes are
+        clamped to MAX_CODE.
         """
         self.alpha.fill(1.0)
         scores, key_coords, anchor, s = self.scores, self.key_coords, self.anchor, self.s
@@ -154,9 +156,12 @@ class ExpCastSoftmax:
         top = Float32(MAX_CODE * CODE_UNIT)
         biases = [anchor[r] * unit for r in range(2)]
         for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-            coef = mul_rn(s, d_k[first + key_coords[0, i][1]]) * unit
+            key = first + key_coords[0, i][1]
+            coef = mul_rn(s, d_k[key]) * unit
+            kept = visits(tiles[key])
             for r in cutlass.range_constexpr(2):
-                scores[r, i] = cute.arch.fmin(cute.math.fma(scores[r, i], coef, biases[r]), top)
+                code = cute.arch.fmin(cute.math.fma(scores[r, i], coef, biases[r]), top)
+                scores[r, i] = code if kept else Float32(0.0)
 
     @cute.jit
     def pack_codes(self, frag_p: cute.Tensor):
