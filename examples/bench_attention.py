@@ -112,6 +112,7 @@ PEER_PACKAGES = {
 """Each optional module's package (its distribution name) and how to get it."""
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+AMAX_FLOOR = 1e-12
 P_SCALE = 256.0
 """cuDNN's FP8 softmax scale: P = exp(s - rowmax) <= 1 times 256 stays below E4M3's 448 even where a P rounds above 1,
 and a power of two scales exactly."""
@@ -242,7 +243,8 @@ def report_unavailable(unavailable: dict[str, str]) -> None:
 def quantize_e4m3(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` times 448 / its absmax over ``dims``, cast to E4M3, and the FP32 descale (absmax / 448) that undoes it,
     shaped as the absmax with ``dims`` kept."""
-    amax = x.abs().amax(dim=dims, keepdim=True).float().clamp_min(torch.finfo(torch.float32).tiny)
+    # The floor keeps an all-zero slice's scale finite (448 / 0 is inf, and 0 * inf NaN).
+    amax = x.abs().amax(dim=dims, keepdim=True).float().clamp_min(AMAX_FLOOR)
     # The product of the absmax itself lands within a float32 rounding of 448, which the cast rounds to 448.
     return (x * (E4M3_MAX / amax)).to(torch.float8_e4m3fn), amax / E4M3_MAX
 
