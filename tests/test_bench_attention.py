@@ -2,6 +2,8 @@
 and main's JSON (the GPU run is the lead's; tests/test_examples.py runs its rows on stand-in backends)."""
 
 import json
+import math
+import types
 
 import pytest
 import torch
@@ -149,3 +151,81 @@ def test_help_lists_every_method(bench, capsys):
     assert exit.value.code == 0
     out = capsys.readouterr().out
     assert all(f"    {name} " in out for name in METHODS)
+
+
+class FakeCudnnGraph:
+    """cudnn.pygraph's calls that CudnnFp8Attention makes; ``execute`` computes SDPA on the dequantized inputs
+    in float32 and writes O * scale_o in E4M3, as cuDNN's FP8 SDPA with an FP8 output does."""
+
+    class Tensor:
+        def __init__(self, name, dim=None, stride=None, data_type=None):
+            self.name, self.dim, self.stride, self.data_type, self.output = name, dim, stride, data_type, False
+
+        def set_output(self, output):
+            self.output = output
+            return self
+
+        def set_dim(self, dim):
+            self.dim = dim
+            return self
+
+        def set_stride(self, stride):
+            self.stride = stride
+            return self
+
+        def set_data_type(self, data_type):
+            self.data_type = data_type
+            return self
+
+    def __init__(self, **options):
+        self.options, self.steps = options, []
+
+    def tensor(self, **attributes):
+        return self.Tensor(**attributes)
+
+    def sdpa_fp8(self, *, generate_stats, attn_scale, **ports):
+        self.ports, self.attn_scale = ports, attn_scale
+        self.o, self.amax_s, self.amax_o = (self.Tensor(name) for name in ("O", "Amax_S", "Amax_O"))
+        return self.o, None, self.amax_s, self.amax_o
+
+    def __getattr__(self, step):  # validate, build_operation_graph, ...: recorded, in order
+        return lambda *args: self.steps.append(step)
+
+    def get_workspace_size(self):
+        return 16
+
+    def execute(self, pack, workspace, handle):
+        assert set(pack) == {*self.ports.values(), self.o, self.amax_s, self.amax_o}
+        assert all(t.output for t in (self.o, self.amax_s, self.amax_o))
+        data = {name: pack[t] for name, t in self.ports.items()}
+        # cuDNN's (B, H, S, D) view, by each tensor's dims and strides, over the buffers handed in
+        q, k, v = (torch.as_strided(data[x], self.ports[x].dim, self.ports[x].stride) for x in "qkv")
+        q, k, v = (x.float() * data[f"descale_{name}"] for x, name in zip((q, k, v), "qkv"))
+        assert data["scale_s"] * data["descale_s"] == 1
+        o = torch.softmax(q @ k.transpose(-1, -2) * self.attn_scale, dim=-1) @ v
+        torch.as_strided(pack[self.o], self.o.dim, self.o.stride).copy_((o * data["scale_o"]).to(torch.float8_e4m3fn))
+
+
+def test_cudnn_fp8_graph_binds_every_tensor_and_scales_its_output(bench, monkeypatch):
+    fake = types.SimpleNamespace(
+        create_handle=lambda: "handle",
+        destroy_handle=lambda handle: None,
+        set_stream=lambda handle, stream: None,
+        data_type=types.SimpleNamespace(FP8_E4M3="e4m3", FLOAT="float"),
+        heur_mode=types.SimpleNamespace(A="A", FALLBACK="FALLBACK"),
+        pygraph=FakeCudnnGraph,
+    )
+    monkeypatch.setattr(bench, "peer", lambda module: fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+    q, k, v = (torch.randn(1, s, 2, 128).bfloat16() * scale for s, scale in ((96, 1), (80, 1), (80, 30)))
+    setup = bench.cudnn_fp8_setup([[q, k, v]])
+    sdpa = setup.call
+    steps = ["validate", "build_operation_graph", "create_execution_plans", "check_support", "build_plans"]
+    assert sdpa.graph.steps == steps
+    assert sdpa.graph.options["io_data_type"] == "e4m3" and sdpa.graph.options["handle"] == "handle"
+    out8 = sdpa(*setup.arg_sets[0])
+    assert out8.dtype == torch.float8_e4m3fn and out8.shape == q.shape
+    scale = sdpa.o_scale.item()
+    assert scale == 2.0 ** round(math.log2(scale)) and 112 < out8.float().abs().max() <= 224
+    exact = torch.nn.functional.scaled_dot_product_attention(*(x.double().transpose(1, 2) for x in (q, k, v)))
+    assert 0.02 < bench.rel_l2(setup.output(out8), exact.transpose(1, 2)) < 0.1
