@@ -1,14 +1,43 @@
-"""Time Open-VC FP8 ExpCast attention against FlashAttention-4 and cuDNN BF16 on one GPU; prints a table.
+"""Time Open-VC FP8 ExpCast attention against FP8 and BF16 peers (FlashAttention-3 and -4, cuDNN) on one GPU.
 
     python examples/bench_attention.py                       # the four video shapes, JSON to bench_attention.json
     python examples/bench_attention.py --shapes 32760x12 --json out.json
     python examples/bench_attention.py --repair                # V residual repair and K smoothing sweep
     python examples/bench_attention.py --inputs outputs/qkv.safetensors   # real activations (examples/capture.py)
 
-Per shape (batch 1, head dim 128, N(0, 1) bf16 inputs, two input sets rotated), in a random order: the Open-VC
-kernel on prepared inputs, the preparation alone, the complete Open-VC call, FlashAttention-4 BF16 and torch
-SDPA on cuDNN BF16. Median of CUDA-event-timed calls enqueued back to back; TFLOP/s = 4 S^2 H 128 / time.
-Accuracy: rel-L2 of Open-VC against FA4 and, on sampled query rows, against float64 attention.
+Per shape (batch 1, head dim 128, N(0, 1) bf16 inputs, two input sets rotated), in a random order, these methods:
+
+    openvc_kernel           the Open-VC kernel on inputs prepared before timing (openvc_kernels.attention_prepared)
+    openvc_prepare          the preparation alone (openvc_kernels.prepare: quantization and packing; no TFLOP/s)
+    openvc_api              the complete call with the API's defaults (openvc_kernels.attention: no repair or smoothing)
+    openvc_default          the complete call with the processor's defaults (OpenVCConfig().kernel_options)
+    fa3_fp8_prequantized    FlashAttention-3 FP8 (fa3-fwd) on E4M3 inputs with per-head descales made before timing
+    fa3_fp8_call            the same with its per-head absmax quantization in PyTorch inside the timed call
+    cudnn_fp8_prequantized  cuDNN's FP8 SDPA graph (nvidia-cudnn-frontend) on E4M3 inputs with per-tensor descales made
+                            before timing; FP8 output (on Hopper cuDNN writes no other), its scale set once per shape
+                            from one call on the first inputs; the graph is built once per shape, outside the timing
+    fa4_bf16                FlashAttention-4 BF16 (flash-attn-4)
+    fa3_bf16                FlashAttention-3 BF16 (fa3-fwd)
+    cudnn_bf16              torch SDPA on its cuDNN backend, BF16
+
+Quantization: FA3 FP8 takes E4M3 Q, K, V scaled by 448 over their absmax per batch item and head, with (B, H) FP32
+descales; cuDNN FP8 the same per tensor, with P scaled by P_SCALE and the output by a power of two set per shape.
+
+Each method is timed twice, back to back, then synchronized, each over about TIMED_MS of calls (at least MIN_CALLS)
+after a warm-up call: "back_to_back" is the median of CUDA-event-timed calls enqueued back to back and synchronized
+once (as in a pipeline, the host launches ahead, so per-call launch overhead is not timed unless it starves the
+GPU); "synced" the median of calls each made alone (synchronize, event, call, event, synchronize), so the host's
+launch time counts. TFLOP/s = 4 S^2 H 128 / time. SM and memory clocks are read before the run and right after
+each timing of each method (the clocks it ran at: the H200 holds its power cap by lowering the SM clock).
+Accuracy: every attention method's output on the first input set against float64 attention on sampled query rows
+(FP8 output dequantized first), and the processor-default call against FA4 on all rows. A method whose package is
+missing is reported once as unavailable (the package and how to get it) and left out; one that fails on some
+inputs keeps its error in the JSON and the others go on.
+
+JSON (--json): "meta" (GPU, torch and its cuDNN, clocks before and after, the processor's kernel options, the
+peers' versions, the unavailable methods) and one row per shape: "order", then "ms", "tflops" and "clocks_after"
+per timing and method, "rel_l2_vs_float64" per method, "rel_l2_vs_fa4" (openvc_default) and "errors". The table
+printed last has one line per shape and method.
 
 --inputs FILE times the same methods on the Q, K, V that examples/capture.py saved (one row per captured layer
 and step, its own tensors every call; float32 captures are cast to bf16; TFLOP/s = 4 B Sq Sk H D / time).
@@ -16,24 +45,30 @@ and step, its own tensors every call; float32 captures are cast to bf16; TFLOP/s
 --repair instead sweeps V residual repair (rho in REPAIR_RATIOS ranked by residual energy, and rho = 0.005 with the
 "attention" ranking) with and without K smoothing at (73397, 7) and (75600, 40) on three kinds of inputs:
 N(0, 1), V with heavy-tailed (log-normal) token norms, and K with a few channels carrying large offsets; per
-setting the complete call's time (the median of three rounds that visit the settings in shuffled order) and its
-rel-L2 against float64 attention on sampled query rows. SM and memory clocks are read before the run and right after
-each method's timed calls (the clocks it ran at: the H200 holds its power cap by lowering the SM clock).
+setting the complete call's time (back to back, the median of three rounds that visit the settings in shuffled
+order) and its rel-L2 against float64 attention on sampled query rows. The peers take no part in the sweep.
 """
 
 import argparse
+import functools
+import importlib
+import importlib.metadata
 import json
+import math
 import os
 import random
 import re
 import statistics
 import sys
+import weakref
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from openvc_diffusers import cli
+from openvc_diffusers.config import OpenVCConfig
 from openvc_diffusers.gpu_state import clocks
 from openvc_diffusers.metrics import rel_l2
 from openvc_kernels import attention, attention_prepared, prepare
@@ -43,7 +78,47 @@ SHAPES = "73397x7,32760x12,75600x40,118800x24"
 """MiniMax-H3 8-way Ulysses shard, Wan2.1-1.3B 480p, Wan 14B 720p, HunyuanVideo 720p (tokens x heads)."""
 INPUT_SETS = 2
 TIMED_MS = 1500
+MIN_CALLS = 5
 SAMPLED_ROWS = 256
+
+METHODS = (
+    "openvc_kernel",
+    "openvc_prepare",
+    "openvc_api",
+    "openvc_default",
+    "fa3_fp8_prequantized",
+    "fa3_fp8_call",
+    "cudnn_fp8_prequantized",
+    "fa4_bf16",
+    "fa3_bf16",
+    "cudnn_bf16",
+)
+"""Every method, in the table's order (they run in a random one)."""
+TIMINGS = ("back_to_back", "synced")
+
+PEER_MODULES = {
+    "fa4_bf16": "flash_attn.cute",
+    "fa3_bf16": "fa3_fwd_interface",
+    "fa3_fp8_prequantized": "fa3_fwd_interface",
+    "fa3_fp8_call": "fa3_fwd_interface",
+    "cudnn_fp8_prequantized": "cudnn",
+}
+"""The methods that need a package beyond torch and this project: the module each imports."""
+PEER_PACKAGES = {
+    "flash_attn.cute": ("flash-attn-4", 'pip install -e ".[fa4]"'),
+    "fa3_fwd_interface": ("fa3-fwd", "pip install fa3-fwd==0.0.3 (FlashAttention-3 forward, Hopper)"),
+    "cudnn": ("nvidia-cudnn-frontend", "pip install nvidia-cudnn-frontend==1.32.0"),
+}
+"""Each optional module's package (its distribution name) and how to get it."""
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+AMAX_FLOOR = 1e-12
+P_SCALE = 256.0
+"""cuDNN's FP8 softmax scale: P = exp(s - rowmax) <= 1 times 256 stays below E4M3's 448 even where a P rounds above 1,
+and a power of two scales exactly."""
+O_TARGET = E4M3_MAX / 2
+"""cuDNN FP8's output scale puts the first input set's output absmax within a factor 2 below this: headroom for the
+other input set."""
 
 
 def log(message: str) -> None:
@@ -60,18 +135,23 @@ def attention_flop(q: torch.Tensor, k: torch.Tensor) -> float:
     return 4.0 * batch * s_q * k.shape[1] * heads * dim
 
 
+def calls_for(fn, args, budget_ms: float) -> int:
+    """How many calls of ``fn(*args)`` fill about ``budget_ms``, from one CUDA-event-timed call after a warm-up."""
+    fn(*args)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(*args)
+    end.record()
+    end.synchronize()
+    return max(MIN_CALLS, round(budget_ms / start.elapsed_time(end)))
+
+
 def time_ms(fn, sets, budget_ms: float = TIMED_MS) -> float:
     """Median of per-call CUDA-event times over about ``budget_ms`` of calls rotating through ``sets``, after a
     warm-up call. The calls are enqueued back to back and synchronized once: the host launches ahead of the GPU,
     as in a pipeline, so per-call launch overhead (many small PyTorch ops, FA4's Python) is not timed unless it
     starves the GPU."""
-    fn(*sets[0])
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn(*sets[0])
-    end.record()
-    end.synchronize()
-    calls = max(5, round(budget_ms / start.elapsed_time(end)))
+    calls = calls_for(fn, sets[0], budget_ms)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
     for i, (start, end) in enumerate(events):
         start.record()
@@ -79,6 +159,26 @@ def time_ms(fn, sets, budget_ms: float = TIMED_MS) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def time_ms_synced(fn, sets, budget_ms: float = TIMED_MS) -> float:
+    """As ``time_ms``, but each call alone: synchronize, event, call, event, synchronize. The GPU starts idle, so
+    the host's launch time (Python wrappers, small PyTorch ops) counts wherever the GPU waits for it."""
+    calls = calls_for(fn, sets[0], budget_ms)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(calls):
+        torch.cuda.synchronize()
+        start.record()
+        fn(*sets[i % len(sets)])
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def timed(timing: str, fn, sets) -> float:
+    return time_ms(fn, sets) if timing == "back_to_back" else time_ms_synced(fn, sets)
 
 
 def sampled_exact(q, k, v, rows: torch.Tensor) -> torch.Tensor:
@@ -91,11 +191,99 @@ def sampled_exact(q, k, v, rows: torch.Tensor) -> torch.Tensor:
     return torch.stack(out, dim=1)[None]
 
 
-def run_fa4(q, k, v):
-    from flash_attn.cute import flash_attn_func
+class Unavailable(Exception):
+    """A method's package does not import; the message names the package and how to get it."""
 
-    out = flash_attn_func(q, k, v)
+
+@functools.cache
+def peer(module: str):
+    """The optional module ``module`` (a key of PEER_PACKAGES), imported once."""
+    if module == "cudnn":
+        # The frontend dlopens libcudnn.so.9 (LD_LIBRARY_PATH, then nvidia/cudnn in this Python's site-packages,
+        # then by soname): with torch's cuDNN loaded first the soname lookup finds the library torch runs on.
+        torch.backends.cudnn.version()
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # not installed, or its compiled library does not load (OSError, RuntimeError)
+        package, how = PEER_PACKAGES[module]
+        raise Unavailable(f"{package} does not import ({type(e).__name__}: {e}); {how}") from None
+
+
+def peer_versions() -> dict[str, str | None]:
+    """The installed version of each optional package (None: not installed)."""
+    versions = {}
+    for package, _ in PEER_PACKAGES.values():
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def available_methods() -> tuple[list[str], dict[str, str]]:
+    """The methods whose packages import, and for each of the others why not."""
+    unavailable = {}
+    for name, module in PEER_MODULES.items():
+        try:
+            peer(module)
+        except Unavailable as e:
+            unavailable[name] = str(e)
+    return [name for name in METHODS if name not in unavailable], unavailable
+
+
+def report_unavailable(unavailable: dict[str, str]) -> None:
+    """One line per missing package, naming the methods left out."""
+    by_reason = {}
+    for name, reason in unavailable.items():
+        by_reason.setdefault(reason, []).append(name)
+    for reason, names in by_reason.items():
+        log(f"unavailable, left out: {', '.join(names)}: {reason}")
+
+
+def quantize_e4m3(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` times 448 / its absmax over ``dims``, cast to E4M3, and the FP32 descale (absmax / 448) that undoes it,
+    shaped as the absmax with ``dims`` kept."""
+    # The floor keeps an all-zero slice's scale finite (448 / 0 is inf, and 0 * inf NaN).
+    amax = x.abs().amax(dim=dims, keepdim=True).float().clamp_min(AMAX_FLOOR)
+    # The product of the absmax itself lands within a float32 rounding of 448, which the cast rounds to 448.
+    return (x * (E4M3_MAX / amax)).to(torch.float8_e4m3fn), amax / E4M3_MAX
+
+
+def quantize_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, S, H, D) to E4M3 with one scale per batch item and head; the descales as FA3 takes them, (B, H) FP32."""
+    x8, descale = quantize_e4m3(x, dims=(1, 3))
+    return x8, descale.reshape(x.shape[0], x.shape[2])
+
+
+def quantize_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, S, H, D) to E4M3 with one scale; the descale as cuDNN takes it, (1, 1, 1, 1) FP32."""
+    return quantize_e4m3(x, dims=(0, 1, 2, 3))
+
+
+def run_fa4(q, k, v):
+    out = peer("flash_attn.cute").flash_attn_func(q, k, v)
     return out[0] if isinstance(out, tuple) else out
+
+
+def run_fa3(q, k, v):
+    return peer("fa3_fwd_interface").flash_attn_func(q, k, v)
+
+
+def run_fa3_fp8(q8, k8, v8, q_descale, k_descale, v_descale):
+    """FA3 on E4M3 (B, S, H, D) inputs with (B, H) descales; BF16 out."""
+    return peer("fa3_fwd_interface").flash_attn_func(
+        q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale
+    )
+
+
+def fa3_fp8_inputs(q, k, v) -> list[torch.Tensor]:
+    """Q, K, V quantized per head, then their descales: ``run_fa3_fp8``'s arguments."""
+    (q8, q_descale), (k8, k_descale), (v8, v_descale) = (quantize_per_head(x) for x in (q, k, v))
+    return [q8, k8, v8, q_descale, k_descale, v_descale]
+
+
+def run_fa3_fp8_call(q, k, v):
+    return run_fa3_fp8(*fa3_fp8_inputs(q, k, v))
 
 
 def run_cudnn(q, k, v):
@@ -103,63 +291,164 @@ def run_cudnn(q, k, v):
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
-def bench_shape(seq: int, heads: int) -> dict:
+def cudnn_fp8_inputs(q, k, v) -> list[torch.Tensor]:
+    """Q, K, V quantized per tensor, then their descales: ``CudnnFp8Attention``'s arguments."""
+    (q8, q_descale), (k8, k_descale), (v8, v_descale) = (quantize_per_tensor(x) for x in (q, k, v))
+    return [q8, k8, v8, q_descale, k_descale, v_descale]
+
+
+class CudnnFp8Attention:
+    """cuDNN's FP8 SDPA graph (nvidia-cudnn-frontend) for the shapes of ``cudnn_fp8_inputs(q, k, v)``, built here,
+    on the current stream. A call takes those inputs and returns the E4M3 output, (B, S_q, H, D) like q, scaled by
+    ``o_scale``: that scale is set here from a call on these inputs, a power of two putting their output's absmax
+    within a factor 2 below O_TARGET (delayed scaling, as FP8 recipes set it from earlier calls' amax)."""
+
+    def __init__(self, q8, k8, v8, q_descale, k_descale, v_descale):
+        cudnn = peer("cudnn")
+        self.handle = cudnn.create_handle()
+        weakref.finalize(self, cudnn.destroy_handle, self.handle)
+        cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(q8.device).cuda_stream)
+        e4m3, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+        graph = cudnn.pygraph(
+            io_data_type=e4m3, intermediate_data_type=fp32, compute_data_type=fp32, handle=self.handle
+        )
+
+        def bhsd(name, x):  # cuDNN's (B, H, S, D) over our (B, S, H, D) memory
+            b, s, h, d = x.shape
+            return graph.tensor(name=name, dim=[b, h, s, d], stride=[s * h * d, d, h * d, 1], data_type=e4m3)
+
+        def scalar(name):
+            return graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=fp32)
+
+        self.inputs = [bhsd(name, x) for name, x in zip("qkv", (q8, k8, v8))]
+        self.inputs += [scalar(f"descale_{name}") for name in "qkv"]
+        s_descale, s_scale, o_scale = scalar("descale_s"), scalar("scale_s"), scalar("scale_o")
+        o, _, amax_s, amax_o = graph.sdpa_fp8(
+            **dict(zip(("q", "k", "v", "descale_q", "descale_k", "descale_v"), self.inputs)),
+            descale_s=s_descale,
+            scale_s=s_scale,
+            scale_o=o_scale,
+            generate_stats=False,
+            attn_scale=q8.shape[-1] ** -0.5,
+        )
+        b, s, h, d = q8.shape
+        o.set_output(True).set_dim([b, h, s, d]).set_stride([s * h * d, d, h * d, 1]).set_data_type(e4m3)
+        for amax in (amax_s, amax_o):
+            amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        self.graph = graph
+        self.workspace = torch.empty(graph.get_workspace_size(), device=q8.device, dtype=torch.uint8)
+        self.out = torch.empty(q8.shape, device=q8.device, dtype=torch.float8_e4m3fn)
+        one = torch.ones(1, 1, 1, 1, device=q8.device)
+        self.o_scale = 1 / v_descale  # 448 / max |V|: no output, a mean of V rows, exceeds 448 at this scale
+        self.fixed = {
+            s_descale: one / P_SCALE,
+            s_scale: one * P_SCALE,
+            o_scale: self.o_scale,
+            o: self.out,
+            amax_s: torch.empty_like(one),
+            amax_o: torch.empty_like(one),
+        }
+        absmax = self.dequantize(self(q8, k8, v8, q_descale, k_descale, v_descale)).abs().max().item()
+        if not 0 < absmax < math.inf:
+            raise RuntimeError(f"cuDNN FP8 SDPA's output has absmax {absmax}")
+        self.o_scale.fill_(2.0 ** math.floor(math.log2(O_TARGET / absmax)))
+
+    def __call__(self, *args):
+        self.graph.execute({**self.fixed, **dict(zip(self.inputs, args))}, self.workspace, handle=self.handle)
+        return self.out
+
+    def dequantize(self, out8: torch.Tensor) -> torch.Tensor:
+        return out8.float() / self.o_scale
+
+
+class Setup(NamedTuple):
+    """A method made ready to time: the call, its argument sets (one per input set), and how to read its result
+    as attention output (None: it has none)."""
+
+    call: Callable
+    arg_sets: list
+    output: Callable | None = lambda out: out
+
+
+def cudnn_fp8_setup(sets) -> Setup:
+    arg_sets = [cudnn_fp8_inputs(*s) for s in sets]
+    sdpa = CudnnFp8Attention(*arg_sets[0])
+    return Setup(sdpa, arg_sets, sdpa.dequantize)
+
+
+def method_setups(sets: list[list[torch.Tensor]]) -> dict[str, Callable[[], Setup]]:
+    """Each method's setup on ``sets``: made inside the method's own try, since some refuse some inputs (the Hopper
+    kernel's preparation) or need a package that may be missing."""
+    q = sets[0][0]
+    out = torch.empty_like(q)
+    default_options = OpenVCConfig().kernel_options
+    return {
+        "openvc_kernel": lambda: Setup(
+            lambda p: attention_prepared(p, out, softmax_scale=q.shape[-1] ** -0.5), [[prepare(*s)] for s in sets]
+        ),
+        "openvc_prepare": lambda: Setup(prepare, sets, output=None),
+        "openvc_api": lambda: Setup(attention, sets),
+        "openvc_default": lambda: Setup(lambda *qkv: attention(*qkv, **default_options), sets),
+        "fa3_fp8_prequantized": lambda: Setup(run_fa3_fp8, [fa3_fp8_inputs(*s) for s in sets]),
+        "fa3_fp8_call": lambda: Setup(run_fa3_fp8_call, sets),
+        "cudnn_fp8_prequantized": lambda: cudnn_fp8_setup(sets),
+        "fa4_bf16": lambda: Setup(run_fa4, sets),
+        "fa3_bf16": lambda: Setup(run_fa3, sets),
+        "cudnn_bf16": lambda: Setup(run_cudnn, sets),
+    }
+
+
+def bench_shape(seq: int, heads: int, methods=METHODS) -> dict:
     sets = [
         [torch.randn(1, seq, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
         for _ in range(INPUT_SETS)
     ]
-    return bench_sets(sets, {"seq": seq, "heads": heads, "label": f"{seq}x{heads}"})
+    return bench_sets(sets, {"seq": seq, "heads": heads, "label": f"{seq}x{heads}"}, methods)
 
 
-def bench_sets(sets: list[list[torch.Tensor]], row: dict) -> dict:
-    """Every method on ``sets`` (rotated; each a (q, k, v) of one shape) in random order, then the accuracy
-    of Open-VC on the first set; the numbers are added to ``row``."""
+def bench_method(name: str, make_setup, flop: float, rows: torch.Tensor, row: dict):
+    """Time one method both ways into ``row``; its output's sampled ``rows`` (batch item 0, first input set), or
+    None where it has no output or failed (the error then in ``row["errors"]``)."""
+    try:
+        setup = make_setup()
+        for timing in TIMINGS:
+            ms = row["ms"][timing][name] = timed(timing, setup.call, setup.arg_sets)
+            row["clocks_after"][timing][name] = at = clocks()  # read as the timed calls end: the load's clocks
+            rate = ""
+            if setup.output is not None:  # the preparation has no attention FLOPs: a rate would mean nothing
+                row["tflops"][timing][name] = tflops(flop, ms)
+                rate = f"{row['tflops'][timing][name]:6.0f} TFLOP/s"
+            log(f"  {name:22s} {timing:12s} {ms:9.3f} ms {rate:14s} (then: {at})")
+        if setup.output is None:
+            return None
+        return setup.output(setup.call(*setup.arg_sets[0]))[:1, rows].float()
+    except Exception as e:  # inputs a method cannot take, a peer failing at run time: keep the rest
+        row.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
+        log(f"  {name:22s} failed: {row['errors'][name]}")
+        return None
+
+
+def bench_sets(sets: list[list[torch.Tensor]], row: dict, methods=METHODS) -> dict:
+    """Every method of ``methods`` on ``sets`` (rotated; each a (q, k, v) of one shape) in random order, then the
+    accuracy on the first set; the numbers are added to ``row``."""
     q, k, v = sets[0]
     flop = attention_flop(q, k)
-    out = torch.empty_like(q)
-    # Each method with a function making its argument sets: the kernel alone takes prepared inputs, made (and
-    # refused, for inputs the Hopper kernel cannot take) inside the method's own try.
-    methods = {
-        "openvc_kernel": (
-            lambda p: attention_prepared(p, out, softmax_scale=q.shape[-1] ** -0.5),
-            lambda: [[prepare(*s)] for s in sets],
-        ),
-        "openvc_prepare": (prepare, lambda: sets),
-        "openvc_call": (attention, lambda: sets),
-        "fa4_bf16": (run_fa4, lambda: sets),
-        "cudnn_bf16": (run_cudnn, lambda: sets),
-    }
-    order = list(methods)
-    random.shuffle(order)
-    row.update(order=order, ms={}, tflops={})
-    for name in order:
-        fn, make_args = methods[name]
-        try:
-            row["ms"][name] = time_ms(fn, make_args())
-            row.setdefault("clocks_after", {})[name] = clocks()  # read as the timed calls end: the load's clocks
-        except Exception as e:  # a missing backend (FA4 not installed), inputs one cannot take: keep the rest
-            row["ms"][name] = float("nan")
-            row.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
-        at = row.get("clocks_after", {}).get(name, "")
-        if name == "openvc_prepare":  # no attention FLOPs: a rate would mean nothing
-            log(f"  {name:15s} {row['ms'][name]:9.3f} ms                  (then: {at})")
-            continue
-        row["tflops"][name] = tflops(flop, row["ms"][name])
-        log(f"  {name:15s} {row['ms'][name]:9.3f} ms  {row['tflops'][name]:6.0f} TFLOP/s  (then: {at})")
-
+    setups = method_setups(sets)
+    order = random.sample(list(methods), len(methods))
+    row.update(order=order, **{key: {timing: {} for timing in TIMINGS} for key in ("ms", "tflops", "clocks_after")})
     rows = torch.randint(0, q.shape[1], (SAMPLED_ROWS,), device=q.device)
+    sampled = {name: bench_method(name, setups[name], flop, rows, row) for name in order}
+
     exact = sampled_exact(q, k, v, rows)
-    failed = row.get("errors", {})
-    ours = None if "openvc_call" in failed else attention(q, k, v)
-    fa4 = None if "fa4_bf16" in failed else run_fa4(q, k, v)
-    if ours is not None:
-        row["rel_l2_vs_float64"] = rel_l2(ours[:1, rows], exact)
-    if fa4 is not None:
-        row["fa4_rel_l2_vs_float64"] = rel_l2(fa4[:1, rows], exact)
-    if ours is not None and fa4 is not None:
-        row["rel_l2_vs_fa4"] = rel_l2(ours, fa4)
-    row["speedup_call_over_fa4"] = row["ms"]["fa4_bf16"] / row["ms"]["openvc_call"]
-    row["prepare_share_of_call"] = row["ms"]["openvc_prepare"] / row["ms"]["openvc_call"]
+    row["rel_l2_vs_float64"] = {name: rel_l2(out, exact) for name, out in sampled.items() if out is not None}
+    if sampled.get("openvc_default") is not None and sampled.get("fa4_bf16") is not None:
+        options = OpenVCConfig().kernel_options
+        row["rel_l2_vs_fa4"] = rel_l2(attention(q, k, v, **options), run_fa4(q, k, v))
     return row
 
 
@@ -198,14 +487,14 @@ def load_captured(path: str) -> list[tuple[str, list[torch.Tensor]]]:
     return [(f"step{step}.layer{layer}", [qkv[x] for x in "qkv"]) for (step, layer), qkv in sorted(entries.items())]
 
 
-def bench_captured(path: str) -> list[dict]:
+def bench_captured(path: str, methods=METHODS) -> list[dict]:
     rows = []
     for name, qkv in load_captured(path):
         q, k, v = (x.to("cuda", torch.bfloat16 if x.dtype == torch.float32 else x.dtype) for x in qkv)
         batch, s_q, heads, dim = q.shape
         log(f"{name}: B={batch} Sq={s_q} Sk={k.shape[1]} H={heads} D={dim} {q.dtype}")
         label = {"name": name, "batch": batch, "seq": s_q, "seq_k": k.shape[1], "heads": heads, "label": name}
-        rows.append(bench_sets([[q, k, v]], label))
+        rows.append(bench_sets([[q, k, v]], label, methods))
         torch.cuda.empty_cache()
     return rows
 
@@ -279,25 +568,33 @@ def repair_table(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    width = max(11, *(len(r["label"]) for r in rows))  # capture labels ("step12.layer29") run longer than S x H
-    head = (
-        f"{'S x H':>{width}} | {'kernel':>14} | {'call':>14} | {'prep ms':>7} | {'FA4 BF16':>14} | "
-        f"{'cuDNN BF16':>14} | {'x FA4':>5} | {'L2 vs FA4':>9} | {'L2 vs f64':>9}"
-    )
+    """One line per shape and method that ran: per timing its ms, TFLOP/s and FA4 BF16's time over its own ("x
+    FA4"), then its rel-L2 against float64 on the sampled rows."""
+    width = max([11, *(len(r["label"]) for r in rows)])  # capture labels ("step12.layer29") run longer than S x H
+    short = {"back_to_back": "b2b", "synced": "synced"}
+    timings = " | ".join(f"{'ms ' + short[timing]:>9} {'TFLOP/s':>7} {'x FA4':>5}" for timing in TIMINGS)
+    head = f"{'S x H':>{width}} | {'method':22} | {timings} | {'L2 vs f64':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        ms = r["ms"]
-
-        def cell(name, r=r):
-            return f"{r['ms'][name]:6.2f} ms {r['tflops'][name]:4.0f}"
-
-        lines.append(
-            f"{r['label']:>{width}} | {cell('openvc_kernel')} | {cell('openvc_call')} | "
-            f"{ms['openvc_prepare']:7.2f} | {cell('fa4_bf16')} | {cell('cudnn_bf16')} | "
-            f"{r['speedup_call_over_fa4']:5.2f} | {r.get('rel_l2_vs_fa4', float('nan')):9.4f} | "
-            f"{r.get('rel_l2_vs_float64', float('nan')):9.4f}"
-        )
+        for name in [name for name in METHODS if name in r["order"]]:
+            cells = " | ".join(timing_cells(r, timing, name) for timing in TIMINGS)
+            lines.append(f"{r['label']:>{width}} | {name:22} | {cells} | {accuracy_cell(r, name):>9}".rstrip())
     return "\n".join(lines)
+
+
+def timing_cells(row: dict, timing: str, name: str) -> str:
+    ms, rate = row["ms"][timing].get(name), row["tflops"][timing].get(name)
+    if ms is None:
+        return f"{'failed':>9} {'':7} {'':5}"
+    fa4 = row["ms"][timing].get("fa4_bf16")
+    speedup = f"{fa4 / ms:5.2f}" if fa4 is not None and rate is not None else ""
+    return f"{ms:9.3f} {'' if rate is None else f'{rate:7.0f}':>7} {speedup:>5}"
+
+
+def accuracy_cell(row: dict, name: str) -> str:
+    if name in row["rel_l2_vs_float64"]:
+        return f"{row['rel_l2_vs_float64'][name]:.4f}"
+    return "failed" if name in row.get("errors", {}) else ""
 
 
 def shapes(text: str) -> list[tuple[int, int]]:
@@ -372,13 +669,20 @@ def finish_run(meta: dict, rows: list[dict], path: str) -> None:
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     meta = start_run("bench_attention.py", args.seed)
-    rows = bench_captured(args.inputs) if args.inputs else []
+    methods = METHODS
+    if not args.repair:
+        methods, meta["unavailable"] = available_methods()
+        report_unavailable(meta["unavailable"])
+        meta["openvc_default_options"] = OpenVCConfig().kernel_options
+        meta["peers"] = peer_versions()
+        meta["torch_cudnn"] = torch.backends.cudnn.version()
+    rows = bench_captured(args.inputs, methods) if args.inputs else []
     for seq, heads in args.shapes:
         log(f"S={seq} H={heads}")
         if args.repair:
             rows.extend(bench_repair(seq, heads))
         else:
-            rows.append(bench_shape(seq, heads))
+            rows.append(bench_shape(seq, heads, methods))
         torch.cuda.empty_cache()
     finish_run(meta, rows, args.json)
     log(repair_table(rows) if args.repair else table(rows))

@@ -5,7 +5,7 @@
 #   prep      tests/test_sm90_prep.py, then notes/bench_sm90_prep.py (each launch, smoothing and repair steps)
 #   tests     ${TESTS} (default tests/test_sm90_gpu.py)
 #   generate  examples/generate.py on the tiny Wan pipeline (stock attention, then Open-VC on the kernel)
-#   bench     examples/bench_attention.py ${BENCH_ARGS}
+#   bench     examples/bench_attention.py ${BENCH_ARGS} (every peer, each timed twice: BENCH_TIMEOUT default 450 s)
 #   ncu       Nsight Compute on one forward-kernel launch at 32,760 x 12 (notes/kernel_once.py)
 #   pipeline  examples/bench_pipeline.py ${PIPELINE_ARGS}
 #   ulysses   torchrun examples/bench_ulysses.py on every GPU of the machine ${ULYSSES_ARGS}
@@ -16,15 +16,31 @@
 # the image's own) into .whl/c1 .. .whl/cN, one folder per call (carry [".whl/cK"]). Each call stashes what it
 # carries in /tmp/wheels; until every piece its MANIFEST names is there it exits 3 ("stashed"). Then the pieces
 # are joined and installed with --no-deps into /tmp/site, which holds nothing else, and the checkout itself is
-# installed from source into /tmp/project at every call (the tree travels anew each time). The first call also
-# carries .whl/extra (carry [".whl/c1", ".whl/extra"]) where a stage needs FlashAttention-4 (EXTRA=1, below).
+# installed from source into /tmp/project at every call (the tree travels anew each time).
+# The benchmarks' peers come apart from those pieces: .whl/extra (flash-attn-4, quack-kernels; 1.3 MB, in the
+# same call as a piece: carry [".whl/c6", ".whl/extra"]) and .whl/peers (fa3-fwd, nvidia-cudnn-frontend; 39 MB,
+# a call of its own, before or after the pieces: carry [".whl/peers"]). Whatever wheels of theirs a call carries
+# are stashed in /tmp/wheels-extra, outside the MANIFEST's count, and each one not installed yet is installed at
+# once with --no-deps into /tmp/site-extra, on the path only where EXTRA=1: the GPU tests run on exactly what a
+# fresh install resolves, while EXTRA=1 STAGES=bench times FA4, FA3 and cuDNN FP8 beside Open-VC.
 set -u
 export PYTHONUNBUFFERED=1
 STASH=/tmp/wheels
 SITE=/tmp/site
 mkdir -p $STASH
+# The peers first: a call carrying only .whl/peers installs them and then stops at the pieces' check (exit 3).
+EXTRA_STASH=/tmp/wheels-extra
+EXTRA_SITE=/tmp/site-extra
+mkdir -p $EXTRA_STASH $EXTRA_SITE
+for d in .whl/extra .whl/peers; do [ -d "$d" ] && cp -n "$d"/*.whl $EXTRA_STASH/; done
+for wheel in $EXTRA_STASH/*.whl; do
+  [ -f "$wheel" ] && [ ! -f "$EXTRA_SITE/.installed-${wheel##*/}" ] || continue
+  python3 -m pip install -q --no-index --no-deps --no-compile --target $EXTRA_SITE "$wheel" || exit 4
+  touch "$EXTRA_SITE/.installed-${wheel##*/}"
+done
 for d in .whl/c*; do [ -d "$d" ] && cp -n "$d"/* $STASH/; done
 if [ ! -f $SITE/.installed ]; then
+  [ -f $STASH/MANIFEST ] || { echo "stashed: $(ls $STASH | wc -l) files, no MANIFEST yet"; exit 3; }
   missing=$(cd $STASH && while read -r piece; do [ -f "$piece" ] || echo "$piece"; done < MANIFEST | wc -l)
   [ "$missing" = 0 ] || { echo "stashed: $(ls $STASH | wc -l) files, $missing pieces still to come"; exit 3; }
   for first in $STASH/*.part00; do
@@ -33,15 +49,9 @@ if [ ! -f $SITE/.installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE $STASH/*.whl || exit 4
   touch $SITE/.installed
 fi
-# .whl/extra (FlashAttention-4 and quack-kernels, for the benchmarks' BF16 baseline) goes into a site of its own,
-# on the path only where EXTRA=1: the GPU tests run on exactly what a fresh install resolves.
-if [ -d .whl/extra ] && [ ! -f /tmp/site-extra/.installed ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-extra .whl/extra/*.whl || exit 4
-  touch /tmp/site-extra/.installed
-fi
 rm -rf /tmp/project
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/project . || exit 5
-export PYTHONPATH=/tmp/project:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${EXTRA:+:/tmp/site-extra}
+export PYTHONPATH=/tmp/project:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${EXTRA:+:$EXTRA_SITE}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv
 PYTEST="python3 -m pytest -q -p no:cacheprovider --timeout=120 -rfEs"
 for stage in ${STAGES:-none}; do
@@ -83,7 +93,7 @@ for stage in ${STAGES:-none}; do
         ${CAPTURE_ARGS:---layers 0,1 --steps 0} && python3 examples/bench_attention.py --inputs $OUT/qkv.safetensors \
         --json $OUT/bench_inputs.json" 2>&1 | tee $OUT/bench_inputs.log | tail -n 20 ;;
     bench)
-      timeout -k 5 ${BENCH_TIMEOUT:-280} python3 examples/bench_attention.py ${BENCH_ARGS:-} --json $OUT/bench.json 2>&1 \
+      timeout -k 5 ${BENCH_TIMEOUT:-450} python3 examples/bench_attention.py ${BENCH_ARGS:-} --json $OUT/bench.json 2>&1 \
         | tee $OUT/bench.log ;;
     ring)
       timeout -k 5 ${RING_TIMEOUT:-200} python3 examples/bench_ring_shards.py ${RING_ARGS:-} --json $OUT/bench_ring.json \

@@ -484,40 +484,79 @@ def test_bench_attention_shapes():
 
 
 def test_bench_attention_rows_with_stand_in_backends(monkeypatch):
-    """The benchmark's bookkeeping on the CPU: the reference stands in for the kernel, SDPA for FA4 and cuDNN,
-    every call 'takes' 2 ms; inputs Open-VC refuses leave its methods out and keep the others."""
+    """The benchmark's bookkeeping on the CPU: the reference stands in for the kernel, SDPA for the BF16 peers and
+    SDPA on the dequantized inputs for the FP8 ones (cuDNN's with an FP8 output), every call 'takes' 2 ms back to
+    back and 3 ms synchronized; inputs Open-VC refuses leave its methods out and keep the others."""
     bench = load_example("bench_attention")
-    sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-        *(t.transpose(1, 2) for t in (q, k, v))
-    ).transpose(1, 2)
-    for name, stand_in in {
-        "time_ms": lambda fn, sets, budget_ms=0: (fn(*sets[0]), 2.0)[1],
-        "clocks": lambda: "-",
-        "prepare": lambda q, k, v: (q, k, v),
-        "attention_prepared": lambda p, out, softmax_scale: out.copy_(reference_attention(*p)),
-        "attention": lambda q, k, v: reference_attention(q, k, v),
-        "run_fa4": sdpa,
-        "run_cudnn": sdpa,
-    }.items():
+    monkeypatch.setattr(bench, "time_ms", lambda fn, sets, budget_ms=0: (fn(*sets[0]), 2.0)[1])
+    monkeypatch.setattr(bench, "time_ms_synced", lambda fn, sets, budget_ms=0: (fn(*sets[0]), 3.0)[1])
+    for name, stand_in in stand_in_backends(bench).items():
         monkeypatch.setattr(bench, name, stand_in)
     q, k, v = (torch.randn(2, s, 2, 128, dtype=torch.bfloat16) for s in (200, 150, 150))
     row = bench.bench_sets([[q, k, v]], {"seq": 200, "heads": 2, "label": "step0.layer1"})
-    methods = {"openvc_kernel", "openvc_prepare", "openvc_call", "fa4_bf16", "cudnn_bf16"}
-    assert set(row["ms"]) == methods and set(row["ms"].values()) == {2.0} and "errors" not in row
-    assert "openvc_prepare" not in row["tflops"]  # no attention FLOPs in the preparation
-    assert row["tflops"]["fa4_bf16"] == pytest.approx(4 * 2 * 200 * 150 * 2 * 128 / 2e-3 / 1e12)
-    assert 0.04 < row["rel_l2_vs_float64"] < 0.08 and 0.04 < row["rel_l2_vs_fa4"] < 0.08
-    assert row["fa4_rel_l2_vs_float64"] < 0.01
-    assert "step0.layer1 |   2.00 ms" in bench.table([row])
+    assert sorted(row["order"]) == sorted(bench.METHODS) and "errors" not in row
+    assert row["ms"]["back_to_back"] == dict.fromkeys(bench.METHODS, 2.0)
+    assert row["ms"]["synced"] == dict.fromkeys(bench.METHODS, 3.0)
+    assert "openvc_prepare" not in row["tflops"]["synced"]  # no attention FLOPs in the preparation
+    assert row["tflops"]["back_to_back"]["fa4_bf16"] == pytest.approx(4 * 2 * 200 * 150 * 2 * 128 / 2e-3 / 1e12)
+    assert row["tflops"]["synced"]["fa3_fp8_call"] == pytest.approx(4 * 2 * 200 * 150 * 2 * 128 / 3e-3 / 1e12)
+    errors = row["rel_l2_vs_float64"]
+    assert sorted(errors) == sorted(set(bench.METHODS) - {"openvc_prepare"})
+    assert max(errors[name] for name in ("fa4_bf16", "fa3_bf16", "cudnn_bf16")) < 0.01
+    for name in ("openvc_kernel", "openvc_api", "openvc_default", "fa3_fp8_prequantized", "fa3_fp8_call"):
+        assert 0.02 < errors[name] < 0.08, name  # E4M3's 3-bit mantissa: a few percent, as on the GPU
+    assert errors["fa3_fp8_call"] == errors["fa3_fp8_prequantized"]
+    assert 0.02 < errors["cudnn_fp8_prequantized"] < 0.1  # its E4M3 output adds to it
+    assert 0.04 < row["rel_l2_vs_fa4"] < 0.08
+    assert "step0.layer1 | openvc_kernel          |     2.000" in bench.table([row])
 
-    def refuse(q, k, v):
+    def refuse(q, k, v, **options):
         raise ValueError("head_dim must be 128")
 
     monkeypatch.setattr(bench, "prepare", refuse)
     monkeypatch.setattr(bench, "attention", refuse)
     row = bench.bench_sets([[q, k, v]], {"seq": 200, "heads": 2, "label": "refused"})
-    assert sorted(row["errors"]) == ["openvc_call", "openvc_kernel", "openvc_prepare"]
-    assert math.isnan(row["ms"]["openvc_call"]) and row["ms"]["fa4_bf16"] == 2.0 and "rel_l2_vs_fa4" not in row
+    assert sorted(row["errors"]) == ["openvc_api", "openvc_default", "openvc_kernel", "openvc_prepare"]
+    assert "openvc_api" not in row["ms"]["synced"] and row["ms"]["synced"]["fa4_bf16"] == 3.0
+    assert "openvc_api" not in row["rel_l2_vs_float64"] and "rel_l2_vs_fa4" not in row
+    assert "refused | openvc_api             |    failed" in bench.table([row])
+
+    row = bench.bench_sets([[q, k, v]], {"seq": 200, "heads": 2, "label": "some"}, ["fa4_bf16", "cudnn_bf16"])
+    assert sorted(row["order"]) == sorted(row["ms"]["synced"]) == ["cudnn_bf16", "fa4_bf16"]
+
+
+def stand_in_backends(bench) -> dict:
+    """CPU stand-ins, by the name ``bench`` calls them by, for every backend of examples/bench_attention.py."""
+
+    def sdpa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+
+    def fa3_fp8(q8, k8, v8, *descales):  # (B, H) descales, BF16 out
+        q, k, v = (x.float() * d[:, None, :, None] for x, d in zip((q8, k8, v8), descales))
+        return sdpa(q, k, v).bfloat16()
+
+    class CudnnFp8:  # per-tensor descales; an E4M3 output scaled by o_scale
+        def __init__(self, *args):
+            self.o_scale = 64.0
+
+        def __call__(self, q8, k8, v8, *descales):
+            out = sdpa(*(x.float() * d for x, d in zip((q8, k8, v8), descales)))
+            return (out * self.o_scale).to(torch.float8_e4m3fn)
+
+        def dequantize(self, out8):
+            return out8.float() / self.o_scale
+
+    return {
+        "clocks": lambda: "-",
+        "prepare": lambda q, k, v: (q, k, v),
+        "attention_prepared": lambda p, out, softmax_scale: out.copy_(reference_attention(*p)),
+        "attention": lambda q, k, v, **options: reference_attention(q, k, v, **options),
+        "run_fa4": sdpa,
+        "run_fa3": sdpa,
+        "run_cudnn": sdpa,
+        "run_fa3_fp8": fa3_fp8,
+        "CudnnFp8Attention": CudnnFp8,
+    }
 
 
 @pytest.mark.parametrize("name", BUILDERS)
