@@ -415,14 +415,14 @@ class RepairRows:
             v8 = cute.make_rmem_tensor(REPAIR_CHANNELS, cutlass.Float8E4M3FN)
             v8_bytes = cute.recast_tensor(v8, Uint8)
             token_column = _packed_position(token)
-            for c in cutlass.range_constexpr(REPAIR_CHANNELS):
+            for c in cutlass.range(REPAIR_CHANNELS, unroll_full=True):
                 channel = first_channel + c
                 mK8[b, h, row, channel] = mK8[b, h, token, channel]
                 v8_bytes[c] = mVp[b, h, channel, token_column]
             decoded = cute.make_rmem_tensor(REPAIR_CHANNELS, Float32)
             decoded.store(v8.load().to(Float32))
             residual = cute.make_rmem_tensor(REPAIR_CHANNELS, Float32)
-            for c in cutlass.range_constexpr(REPAIR_CHANNELS):
+            for c in cutlass.range(REPAIR_CHANNELS, unroll_full=True):
                 # The product rounded on its own and one IEEE division, as torch's kernels round them.
                 value = Float32(mV[b, token, h, first_channel + c]) - mul_rn(d_v, decoded[c])
                 residual[c] = value / d_v
@@ -432,12 +432,12 @@ class RepairRows:
                 mTileRepair[b, h, key] = tile
         else:
             residual8_bytes.fill(0)
-            for c in cutlass.range_constexpr(REPAIR_CHANNELS):
+            for c in cutlass.range(REPAIR_CHANNELS, unroll_full=True):
                 mK8[b, h, row, first_channel + c] = Uint8(0)
             if tidx % REPAIR_THREADS_PER_KEY == 0:
                 mDkRepair[b, h, key] = Float32(0.0)
                 mTileRepair[b, h, key] = Int32(0)
-        for c in cutlass.range_constexpr(REPAIR_CHANNELS):
+        for c in cutlass.range(REPAIR_CHANNELS, unroll_full=True):
             mVp[b, h, first_channel + c, column] = residual8_bytes[c]
         if tidx % REPAIR_THREADS_PER_KEY == 0:
             for i in cutlass.range_constexpr(ONES_ROWS):
