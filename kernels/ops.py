@@ -313,11 +313,14 @@ def attention(
     preparation then skips its V absmax launch). Their values (finite, absmax >= 0) are checked except while a
     CUDA graph is captured.
     """
-    check_attention_args(
-        q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking,
-        dtypes=KERNEL_DTYPES,
-    )
-    check_shared_scales(q, k, smooth_k=smooth_k, v_absmax=v_absmax, k_mean=k_mean, values=False)
+    if not torch.compiler.is_compiling():
+        # Here the checks run before the op's work starts; traced, the floats may be symbolic (dynamic=True), and
+        # the op checks the same at run time (``_run``).
+        check_attention_args(
+            q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking,
+            dtypes=KERNEL_DTYPES,
+        )
+        check_shared_scales(q, k, smooth_k=smooth_k, v_absmax=v_absmax, k_mean=k_mean, values=False)
     tau = softmax_scale_or_default(softmax_scale, q.shape[-1])
     op = _attention_lse_op if return_lse else _attention_op
     return op(q, k, v, float(tau), window, bool(smooth_k), float(repair_ratio), repair_ranking, v_absmax, k_mean)

@@ -156,3 +156,23 @@ def test_whole_model_compiles_into_one_dynamic_graph_with_the_backend(through_th
         compiled = eager_outputs(compiled_model, inputs, [900, 800, 700])
     assert backend.frame_count == 1
     assert all(torch.equal(c, e) for c, e in zip(compiled, eager))
+
+
+def test_kernel_api_traces_whole_with_symbolic_floats():
+    """With dynamic=True the floats a compiled function is called with are symbolic: the kernel API still traces
+    into one graph (no check of their values while tracing) and its op checks them when it runs. On the CPU the
+    op then refuses the device, or first names a bad ratio. The op's float arguments are specialized: one graph per
+    ratio (a model keeps its ratio), the same ratio again compiles nothing."""
+
+    def call(q, rho):
+        return openvc_kernels.attention(q, q, q, repair_ratio=rho)
+
+    backend = CompileCounter()
+    compiled = torch.compile(call, backend=backend, dynamic=True, fullgraph=True)
+    q = torch.randn(1, 256, 2, 128, dtype=torch.bfloat16)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="runs on CUDA devices, inputs are on cpu"):
+            compiled(q, 0.005)
+    assert backend.frame_count == 1
+    with pytest.raises(ValueError, match=r"repair_ratio must be a finite number in \[0, 0.5\], got -1.0"):
+        compiled(q, -1.0)
