@@ -27,7 +27,9 @@ Each method is timed twice, back to back, then synchronized, each over about TIM
 after a warm-up call: "back_to_back" is the median of CUDA-event-timed calls enqueued back to back and synchronized
 once (as in a pipeline, the host launches ahead, so per-call launch overhead is not timed unless it starves the
 GPU); "synced" the median of calls each made alone (synchronize, event, call, event, synchronize), so the host's
-launch time counts. TFLOP/s = 4 S^2 H 128 / time. SM and memory clocks are read before the run and right after
+launch time counts. TFLOP/s = 4 S^2 H 128 / time. "host" is the host's time per call alone: HOST_CALLS calls
+enqueued after a synchronize, timed on the host's clock, too few to fill the GPU's launch queue, so the host never
+waits for the GPU (where the GPU is the faster, the synchronized time is about this). SM and memory clocks are read before the run and right after
 each timing of each method (the clocks it ran at: the H200 holds its power cap by lowering the SM clock).
 Accuracy: every attention method's output on the first input set against float64 attention on sampled query rows
 (FP8 output dequantized first), and the processor-default call against FA4 on all rows. A method whose package is
@@ -36,7 +38,7 @@ inputs keeps its error in the JSON and the others go on.
 
 JSON (--json): "meta" (GPU, torch and its cuDNN, clocks before and after, the processor's kernel options, the
 peers' versions, the unavailable methods) and one row per shape: "order", then "ms", "tflops" and "clocks_after"
-per timing and method, "rel_l2_vs_float64" per method, "rel_l2_vs_fa4" (openvc_default) and "errors". The table
+per timing and method, "host_ms" and "rel_l2_vs_float64" per method, "rel_l2_vs_fa4" (openvc_default) and "errors". The table
 printed last has one line per shape and method.
 
 --inputs FILE times the same methods on the Q, K, V that examples/capture.py saved (one row per captured layer
@@ -60,6 +62,7 @@ import random
 import re
 import statistics
 import sys
+import time
 import weakref
 from typing import Callable, NamedTuple
 
@@ -79,6 +82,9 @@ SHAPES = "73397x7,32760x12,75600x40,118800x24"
 INPUT_SETS = 2
 TIMED_MS = 1500
 MIN_CALLS = 5
+HOST_CALLS = 16
+"""Calls whose host time is taken: their launches (a few dozen each) stay well inside the GPU's queue of about a
+thousand, so enqueueing them never waits for the GPU."""
 SAMPLED_ROWS = 256
 
 METHODS = (
@@ -175,6 +181,17 @@ def time_ms_synced(fn, sets, budget_ms: float = TIMED_MS) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def host_ms(fn, sets) -> float:
+    """The host's time per call, in ms, over HOST_CALLS calls enqueued after a synchronize (``HOST_CALLS``)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(HOST_CALLS):
+        fn(*sets[i % len(sets)])
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / HOST_CALLS * 1e3
 
 
 def timed(timing: str, fn, sets) -> float:
@@ -424,6 +441,8 @@ def bench_method(name: str, make_setup, flop: float, rows: torch.Tensor, row: di
                 row["tflops"][timing][name] = tflops(flop, ms)
                 rate = f"{row['tflops'][timing][name]:6.0f} TFLOP/s"
             log(f"  {name:22s} {timing:12s} {ms:9.3f} ms {rate:14s} (then: {at})")
+        row["host_ms"][name] = host_ms(setup.call, setup.arg_sets)
+        log(f"  {name:22s} {'host':12s} {row['host_ms'][name]:9.3f} ms per call")
         if setup.output is None:
             return None
         return setup.output(setup.call(*setup.arg_sets[0]))[:1, rows].float()
@@ -441,6 +460,7 @@ def bench_sets(sets: list[list[torch.Tensor]], row: dict, methods=METHODS) -> di
     setups = method_setups(sets)
     order = random.sample(list(methods), len(methods))
     row.update(order=order, **{key: {timing: {} for timing in TIMINGS} for key in ("ms", "tflops", "clocks_after")})
+    row["host_ms"] = {}
     rows = torch.randint(0, q.shape[1], (SAMPLED_ROWS,), device=q.device)
     sampled = {name: bench_method(name, setups[name], flop, rows, row) for name in order}
 
@@ -569,16 +589,18 @@ def repair_table(rows: list[dict]) -> str:
 
 def table(rows: list[dict]) -> str:
     """One line per shape and method that ran: per timing its ms, TFLOP/s and FA4 BF16's time over its own ("x
-    FA4"), then its rel-L2 against float64 on the sampled rows."""
+    FA4"), its host time per call, then its rel-L2 against float64 on the sampled rows."""
     width = max([11, *(len(r["label"]) for r in rows)])  # capture labels ("step12.layer29") run longer than S x H
     short = {"back_to_back": "b2b", "synced": "synced"}
     timings = " | ".join(f"{'ms ' + short[timing]:>9} {'TFLOP/s':>7} {'x FA4':>5}" for timing in TIMINGS)
-    head = f"{'S x H':>{width}} | {'method':22} | {timings} | {'L2 vs f64':>9}"
+    head = f"{'S x H':>{width}} | {'method':22} | {timings} | {'host ms':>7} | {'L2 vs f64':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         for name in [name for name in METHODS if name in r["order"]]:
             cells = " | ".join(timing_cells(r, timing, name) for timing in TIMINGS)
-            lines.append(f"{r['label']:>{width}} | {name:22} | {cells} | {accuracy_cell(r, name):>9}".rstrip())
+            host = r["host_ms"].get(name)
+            host = "" if host is None else f"{host:7.3f}"
+            lines.append(f"{r['label']:>{width}} | {name:22} | {cells} | {host:>7} | {accuracy_cell(r, name):>9}".rstrip())
     return "\n".join(lines)
 
 

@@ -1,8 +1,9 @@
 """examples/bench_attention.py on the CPU: the peers' FP8 quantization, the report of missing packages, the table
-and main's JSON (the GPU run is the lead's; tests/test_examples.py runs its rows on stand-in backends)."""
+and main's JSON (tests/test_examples.py runs its rows on stand-in backends)."""
 
 import json
 import math
+import time
 import types
 
 import pytest
@@ -93,7 +94,8 @@ def test_every_peer_names_its_package(bench):
 
 
 def fake_row(label="32760x12", failed=(), left_out=()) -> dict:
-    """A bench_sets row: every method 10 ms back to back and 11 ms synchronized, FA4 20 and 22 ms."""
+    """A bench_sets row: every method 10 ms back to back and 11 ms synchronized, FA4 20 and 22 ms; 0.5 ms of host
+    time per call."""
     order = [name for name in METHODS if name not in left_out]
     ms = {name: 20.0 if name == "fa4_bf16" else 10.0 for name in order if name not in failed}
     row = {"label": label, "order": order, "errors": {name: "ValueError: no" for name in failed}}
@@ -103,6 +105,7 @@ def fake_row(label="32760x12", failed=(), left_out=()) -> dict:
         for timing, times in row["ms"].items()
     }
     row["rel_l2_vs_float64"] = {name: 0.05 for name in ms if name != "openvc_prepare"}
+    row["host_ms"] = dict.fromkeys(ms, 0.5)
     return row
 
 
@@ -111,15 +114,15 @@ def test_table_has_a_line_per_shape_and_method(bench):
     lines = bench.table(rows).splitlines()
     assert len(lines) == 2 + len(METHODS) * 2 - 1 and max(map(len, lines)) <= 120
     assert lines[0].split() == (
-        "S x H | method | ms b2b TFLOP/s x FA4 | ms synced TFLOP/s x FA4 | L2 vs f64".split()
+        "S x H | method | ms b2b TFLOP/s x FA4 | ms synced TFLOP/s x FA4 | host ms | L2 vs f64".split()
     )
     by_method = {tuple(line.split(" | ")[:2]): line for line in lines[2:]}
     default = by_method["      32760x12", "openvc_default        "]
-    assert default.split(" | ")[2:] == ["   10.000     500  2.00", "   11.000     455  2.00", "   0.0500"]
+    assert default.split(" | ")[2:] == ["   10.000     500  2.00", "   11.000     455  2.00", "  0.500", "   0.0500"]
     prepare = by_method["      32760x12", "openvc_prepare        "]
-    assert prepare.endswith("|    10.000               |    11.000               |")
+    assert prepare.endswith("|    10.000               |    11.000               |   0.500 |")
     failed = by_method["step12.layer29", "cudnn_fp8_prequantized"]
-    assert failed.split(" | ")[2:] == ["   failed              ", "   failed              ", "   failed"]
+    assert failed.split(" | ")[2:] == ["   failed              ", "   failed              ", "       ", "   failed"]
     assert ("step12.layer29", "fa3_bf16              ") not in by_method
 
 
@@ -229,3 +232,17 @@ def test_cudnn_fp8_graph_binds_every_tensor_and_scales_its_output(bench, monkeyp
     assert scale == 2.0 ** round(math.log2(scale)) and 112 < out8.float().abs().max() <= 224
     exact = torch.nn.functional.scaled_dot_product_attention(*(x.double().transpose(1, 2) for x in (q, k, v)))
     assert 0.02 < bench.rel_l2(setup.output(out8), exact.transpose(1, 2)) < 0.1
+
+
+def test_host_time_is_the_hosts_time_per_call(bench, monkeypatch):
+    """The calls are timed on the host's clock between two synchronizes (no GPU here: they do nothing)."""
+    synchronized = []
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: synchronized.append(len(calls)))
+    calls = []
+
+    def call(x):
+        calls.append(x)
+        time.sleep(0.002)
+
+    assert 2.0 <= bench.host_ms(call, [[1], [2]]) < 20.0
+    assert calls == [1, 2] * (bench.HOST_CALLS // 2) and synchronized == [0, bench.HOST_CALLS]

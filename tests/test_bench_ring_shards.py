@@ -1,4 +1,4 @@
-"""examples/bench_ring_shards.py: its arguments (CPU) and its table; the GPU run is the lead's."""
+"""examples/bench_ring_shards.py: its arguments (CPU) and its table; the GPU run is notes/device_run.sh's ring stage."""
 
 import pytest
 import torch

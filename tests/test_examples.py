@@ -490,6 +490,7 @@ def test_bench_attention_rows_with_stand_in_backends(monkeypatch):
     bench = load_example("bench_attention")
     monkeypatch.setattr(bench, "time_ms", lambda fn, sets, budget_ms=0: (fn(*sets[0]), 2.0)[1])
     monkeypatch.setattr(bench, "time_ms_synced", lambda fn, sets, budget_ms=0: (fn(*sets[0]), 3.0)[1])
+    monkeypatch.setattr(bench, "host_ms", lambda fn, sets: (fn(*sets[0]), 0.5)[1])
     for name, stand_in in stand_in_backends(bench).items():
         monkeypatch.setattr(bench, name, stand_in)
     q, k, v = (torch.randn(2, s, 2, 128, dtype=torch.bfloat16) for s in (200, 150, 150))
@@ -497,6 +498,7 @@ def test_bench_attention_rows_with_stand_in_backends(monkeypatch):
     assert sorted(row["order"]) == sorted(bench.METHODS) and "errors" not in row
     assert row["ms"]["back_to_back"] == dict.fromkeys(bench.METHODS, 2.0)
     assert row["ms"]["synced"] == dict.fromkeys(bench.METHODS, 3.0)
+    assert row["host_ms"] == dict.fromkeys(bench.METHODS, 0.5)
     assert "openvc_prepare" not in row["tflops"]["synced"]  # no attention FLOPs in the preparation
     assert row["tflops"]["back_to_back"]["fa4_bf16"] == pytest.approx(4 * 2 * 200 * 150 * 2 * 128 / 2e-3 / 1e12)
     assert row["tflops"]["synced"]["fa3_fp8_call"] == pytest.approx(4 * 2 * 200 * 150 * 2 * 128 / 3e-3 / 1e12)
