@@ -36,6 +36,8 @@ SCRIPTS = ["generate", "compare", "calibrate", "capture"]
 def load_example(name: str):
     spec = importlib.util.spec_from_file_location(f"{name}_example", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    # Registered as imported modules are: dynamo (torch 2.11) looks a traced function's module up by its name.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
