@@ -75,6 +75,7 @@ from openvc_diffusers.config import OpenVCConfig
 from openvc_diffusers.gpu_state import clocks
 from openvc_diffusers.metrics import rel_l2
 from openvc_kernels import attention, attention_prepared, prepare
+from openvc_kernels.quant import ABSMAX_FLOOR, FP8_MAX
 from openvc_kernels.support import HEAD_DIM
 
 SHAPES = "73397x7,32760x12,75600x40,118800x24"
@@ -117,12 +118,10 @@ PEER_PACKAGES = {
 }
 """Each optional module's package (its distribution name) and how to get it."""
 
-E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
-AMAX_FLOOR = 1e-12
 P_SCALE = 256.0
 """cuDNN's FP8 softmax scale: P = exp(s - rowmax) <= 1 times 256 stays below E4M3's 448 even where a P rounds above 1,
 and a power of two scales exactly."""
-O_TARGET = E4M3_MAX / 2
+O_TARGET = FP8_MAX / 2
 """cuDNN FP8's output scale puts the first input set's output absmax within a factor 2 below this: headroom for the
 other input set."""
 
@@ -261,9 +260,9 @@ def quantize_e4m3(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor,
     """``x`` times 448 / its absmax over ``dims``, cast to E4M3, and the FP32 descale (absmax / 448) that undoes it,
     shaped as the absmax with ``dims`` kept."""
     # The floor keeps an all-zero slice's scale finite (448 / 0 is inf, and 0 * inf NaN).
-    amax = x.abs().amax(dim=dims, keepdim=True).float().clamp_min(AMAX_FLOOR)
+    amax = x.abs().amax(dim=dims, keepdim=True).float().clamp_min(ABSMAX_FLOOR)
     # The product of the absmax itself lands within a float32 rounding of 448, which the cast rounds to 448.
-    return (x * (E4M3_MAX / amax)).to(torch.float8_e4m3fn), amax / E4M3_MAX
+    return (x * (FP8_MAX / amax)).to(torch.float8_e4m3fn), amax / FP8_MAX
 
 
 def quantize_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
