@@ -1,28 +1,49 @@
 """Device probe: where a complete Open-VC call's time goes, kernel by kernel, gaps included (torch.profiler).
 
-Runs ``openvc_kernels.attention`` back to back at the bench shapes and prints, per GPU operation of one call
-(in stream order), its median duration and the median idle gap before it; then the call's span.
+Runs ``openvc_kernels.attention`` back to back at the bench shapes, with the API's defaults and with the
+processor's (``OpenVCConfig().kernel_options``), and prints per GPU operation of one call (in stream order) its
+median duration and the median idle gap before it; then the call's span and its host time (the calls enqueued
+after a synchronize, wall time per call).
 """
 
 import statistics
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from openvc_diffusers.config import OpenVCConfig
 from openvc_kernels import attention
 
 CALLS = 12
+SHAPES = ((32760, 12), (73397, 7), (75600, 40), (118800, 24))
+OPTIONS = {"api": {}, "defaults": OpenVCConfig().kernel_options}
 
 
-def profile_shape(seq: int, heads: int) -> None:
-    sets = [[torch.randn(1, seq, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
-    for s in sets:
-        attention(*s)
+def host_ms(call, inputs) -> float:
     torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(CALLS):
+        call(*inputs[i % 2])
+    host = (time.perf_counter() - start) / CALLS * 1e3
+    torch.cuda.synchronize()
+    return host
+
+
+def profile_call(seq: int, heads: int, name: str) -> None:
+    options = OPTIONS[name]
+    sets = [[torch.randn(1, seq, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
+
+    def call(q, k, v):
+        return attention(q, k, v, **options)
+
+    for s in sets:
+        call(*s)
+    host = host_ms(call, sets)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(CALLS):
-            attention(*sets[i % 2])
+            call(*sets[i % 2])
         torch.cuda.synchronize()
     kernels = sorted(
         (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
@@ -37,16 +58,26 @@ def profile_shape(seq: int, heads: int) -> None:
     span = statistics.median(
         kernels[(c + 1) * per_call].time_range.start - kernels[c * per_call].time_range.start for c in range(CALLS - 1)
     )
-    print(f"{seq}x{heads}: {per_call} GPU operations per call, call span {span / 1e3:.3f} ms")
-    for name, durations, gaps in rows.values():
-        print(f"  {statistics.median(durations):9.1f} us  gap before {statistics.median(gaps):6.1f} us  {name[:90]}")
+    tflops = 4 * seq * seq * heads * 128 / (span * 1e-6) / 1e12
+    print(
+        f"{seq}x{heads} {name}: {per_call} GPU operations per call, call span {span / 1e3:.3f} ms "
+        f"({tflops:.0f} TFLOP/s), host {host:.3f} ms per call"
+    )
+    outside = 0.0
+    for name_, durations, gaps in rows.values():
+        duration, gap = statistics.median(durations), statistics.median(gaps)
+        if "ExpCastAttentionSm90" not in name_:
+            outside += duration + gap
+        print(f"  {duration:9.1f} us  gap before {gap:6.1f} us  {name_[:90]}")
+    print(f"  outside the forward kernel: {outside:.1f} us")
     sys.stdout.flush()
 
 
 def main():
     print(torch.cuda.get_device_name())
-    for seq, heads in ((32760, 12), (73397, 7)):
-        profile_shape(seq, heads)
+    for seq, heads in SHAPES:
+        for name in OPTIONS:
+            profile_call(seq, heads, name)
 
 
 if __name__ == "__main__":
