@@ -110,11 +110,11 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
     count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))
     assert count("ld.local") == 0 and count("st.local") == 0, "registers spilled"
     if kind == "repair_rows":
-        # A thread's 64 channels of one repair key: each residual one product rounded alone and one IEEE division,
+        # A thread's 8 channels of one repair key: each residual one product rounded alone and one IEEE division,
         # as torch's kernels round them, then two values per RNE-saturating conversion.
-        assert ops.get("mul.rn.f32") == 64 and ops.get("div.rn.f32") == 64
+        assert ops.get("mul.rn.f32") == prep.REPAIR_CHANNELS and ops.get("div.rn.f32") == prep.REPAIR_CHANNELS
         assert count("rcp") == 0 and count("div.approx") == 0 and count("div.full") == 0
-        assert ops.get("cvt.rn.satfinite.e4m3x2.f32") == 32
+        assert ops.get("cvt.rn.satfinite.e4m3x2.f32") == prep.REPAIR_CHANNELS // 2
         return
     # The block is read once, with 16-byte loads: 8 per thread (and 4 for the 16 channel means K smoothing subtracts).
     assert ops.get("ld.global.v4.b32") == 8 + 4 * (kind == "quantize_centered_per_block")

@@ -558,7 +558,8 @@ class ExpCastAttentionSm90:
         pipeline_k.consumer_release(state)
         if const_expr(repair):
             visits = functools.partial(self.piece_visits, visit=visit)
-            rows.encode_repair(keys.d_k_repair, keys.tile_repair, (j - visit.n_real) * TILE_N, visits)
+            whole = visit.n_real == visit.n_k
+            rows.encode_repair(keys.d_k_repair, keys.tile_repair, (j - visit.n_real) * TILE_N, visits, whole)
         else:
             tile = self.tile_at(visit.first + j, visit)
             rows.online_codes(tile == keys.last_tile, keys.last_valid, keys.d_k[tile], False)

@@ -346,9 +346,11 @@ class PackV:
             mDv[b, h] = descale
 
 
-REPAIR_THREADS_PER_KEY = 2
-"""RepairRows: threads per repair key, each taking half of its channels."""
+REPAIR_THREADS_PER_KEY = 16
+"""RepairRows: threads per repair key, each taking 8 consecutive channels (16 threads read a K row's 128 bytes):
+enough CTAs that a few thousand repair keys fill the GPU, each thread's few gathers from packed V in flight at once."""
 REPAIR_CHANNELS = HEAD_DIM // REPAIR_THREADS_PER_KEY
+REPAIR_KEYS_PER_CTA = THREADS // REPAIR_THREADS_PER_KEY
 
 
 @cute.jit
@@ -362,7 +364,7 @@ class RepairRows:
     """The V residual repair keys (``preparation.write_repair_rows``, byte for byte): repair key j < count is token
     t = tokens[j]'s K row with its block's descale and index, and its value row ``e4m3(r / d_V)``,
     ``r = V - d_V V8`` (V8 read back from packed V), in packed V with 0 in the ones rows; keys count .. R - 1 are
-    zero keys in tile 0. Grid (R / 128, H, B); 256 threads, two per key, each taking 64 of its channels.
+    zero keys in tile 0. Grid (R / 16, H, B); 256 threads, 16 per key, each taking 8 of its channels.
     """
 
     @cute.jit
@@ -382,7 +384,7 @@ class RepairRows:
         (B, H, n_blocks) fp32; mVp (B, H, 136, S_pad + R) uint8; mDv (B, H) fp32; mDkRepair (B, H, R) fp32;
         mTileRepair (B, H, R) int32. The real keys (k8, d_k, packed V, d_v) are read, the repair keys written."""
         self.kernel(mV, mTokens, mK8, mDk, mVp, mDv, mDkRepair, mTileRepair).launch(
-            grid=[mDkRepair.shape[2] // BLOCK, mDkRepair.shape[1], mDkRepair.shape[0]],
+            grid=[mDkRepair.shape[2] // REPAIR_KEYS_PER_CTA, mDkRepair.shape[1], mDkRepair.shape[0]],
             block=[THREADS, 1, 1],
             stream=stream,
         )
@@ -401,7 +403,7 @@ class RepairRows:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
-        key = n * BLOCK + tidx // REPAIR_THREADS_PER_KEY
+        key = n * REPAIR_KEYS_PER_CTA + tidx // REPAIR_THREADS_PER_KEY
         first_channel = (tidx % REPAIR_THREADS_PER_KEY) * REPAIR_CHANNELS
         s_pad = mDk.shape[2] * BLOCK
         row = s_pad + key
