@@ -154,8 +154,11 @@ def _check_select_ptx(compiled: dict, count) -> None:
     # warp (match for the warp-aggregated histogram adds, ballots in the compaction); the digit search's
     # shuffles and reductions run outside any branch.
     assert {line.split()[0] for line in compiled["divergent_sync"]} <= {"match.any.sync.b32", "vote.sync.ballot.b32"}
-    assert ops.get("match.any.sync.b32") == select.PASSES and count("atom.shared") == select.PASSES
-    assert ops.get("atom.shared.cta.add.u32") == select.PASSES
+    # Per pass and token in flight: one match and one shared atomic (by the lowest lane of each digit's peers).
+    assert ops.get("match.any.sync.b32") == select.PASSES * select.LOADS_IN_FLIGHT
+    assert ops.get("atom.shared.cta.add.u32") == count("atom.shared") == select.PASSES * select.LOADS_IN_FLIGHT
+    # Loads in flight: each pass of the radix select and of the compaction loads LOADS_IN_FLIGHT keys a step.
+    assert ops.get("ld.global.b32") == (select.PASSES + 2) * select.LOADS_IN_FLIGHT
     assert count("atom.global") == 0 and count("red.") == 0
     assert ops.get("shfl.sync.down.b32") == 5 * select.PASSES  # the suffix sums over 32 lanes
     # Score bits read 4 bytes at a time, tokens written as int64, nothing else written to global memory.

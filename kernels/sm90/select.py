@@ -12,20 +12,22 @@ compaction passes); after the first read it comes from L2 (40 heads of 120,000 t
    0xFFFFFFFF (above +inf's 0xFF800000).
 2. Radix select of T, the count-th largest key: ``PASSES`` passes over ``DIGIT_BITS``-bit digits, most significant
    first. Pass p histograms (shared memory, ``BINS`` bins, one histogram per pass, all zeroed at the start) digit p
-   of the keys whose higher digits are T's found so far. The block strides over the row, thread t taking token
-   ``base + t``; the lanes of a warp that share a digit (``match.any.sync``) add once, their count (contended bins:
-   a narrow range of energies shares its top digit). After a barrier every warp reads the whole histogram and
-   finds the same digit (no broadcast, and the next pass, on its own histogram, needs no barrier first): lane l
-   owns bins ``8 l .. 8 l + 7``, a suffix sum over lanes (shuffles down) counts the keys in higher bins, and the
-   lane whose bin holds the ``need``-th key from the top reports the digit and what is still needed (warp
-   reductions). After the last pass: T, and ``take_equal`` = how many keys equal to T are taken (the lowest-index
-   ones); the ``count - take_equal`` keys above T are all taken.
-3. Compaction in index order, deterministic: warp w owns tokens ``[w seg, (w + 1) seg)``, ``seg`` a multiple of 32,
-   32 consecutive tokens per step (one per lane). Pass 1 counts per warp the keys above T and the keys equal to T
-   (ballot + popc); each warp's counts go to shared memory, and after a barrier each warp sums the counts of the
-   warps before it (lane l reads warp l's, one warp reduction). Pass 2: a token is kept if its key is above T, or equals T and fewer than ``take_equal``
-   equal keys come before it (its warp's count before it plus the equal lanes below it); its output slot is the
-   number of kept tokens before it. Slots rise with the token index: ascending order without a sort.
+   of the keys whose higher digits are T's found so far. The block strides over the row, thread t taking tokens
+   ``base + 1024 u + t``, u < ``LOADS_IN_FLIGHT`` (all loaded before the first is used); the lanes of a warp that
+   share a digit (``match.any.sync``) add once, their count (contended bins: a narrow range of energies shares
+   its top digit). After a barrier every warp reads the whole histogram and finds the same digit (no broadcast,
+   and the next pass, on its own histogram, needs no barrier first): lane l owns bins ``8 l .. 8 l + 7``, a
+   suffix sum over lanes (shuffles down) counts the keys in higher bins, and the lane whose bin holds the
+   ``need``-th key from the top reports the digit and what is still needed (warp reductions). After the last
+   pass: T, and ``take_equal`` = how many keys equal to T are taken (the lowest-index ones); the
+   ``count - take_equal`` keys above T are all taken.
+3. Compaction in index order, deterministic: warp w owns tokens ``[w seg, (w + 1) seg)``, ``seg`` a multiple of
+   ``WARP_STEP``: 32 consecutive tokens at a time (one per lane), ``LOADS_IN_FLIGHT`` times per loop step. Pass 1
+   counts per warp the keys above T and the keys equal to T (ballot + popc); each warp's counts go to shared
+   memory, and after a barrier each warp sums the counts of the warps before it (lane l reads warp l's, one warp
+   reduction). Pass 2: a token is kept if its key is above T, or equals T and fewer than ``take_equal`` equal
+   keys come before it (its warp's count before it plus the equal lanes below it); its output slot is the number
+   of kept tokens before it. Slots rise with the token index: ascending order without a sort.
 
 Every loop runs the same trip count on all lanes of a warp (the radix passes the same on the whole block), so the
 warp-synchronous instructions inside them (match, ballot) always see the full warp; the last step's lanes past S
@@ -45,6 +47,11 @@ BINS = 1 << DIGIT_BITS
 PASSES = 32 // DIGIT_BITS
 BINS_PER_LANE = BINS // 32
 """The digit search: lane l of every warp owns bins ``BINS_PER_LANE * l + (0 .. BINS_PER_LANE - 1)``."""
+LOADS_IN_FLIGHT = 8
+"""Keys a thread loads before it uses the first: a loop step covers this many tokens per thread, so a step waits
+for L2 once, not once per token."""
+WARP_STEP = 32 * LOADS_IN_FLIGHT
+"""Compaction: the tokens one warp covers per step; a warp's segment is a multiple of it."""
 NO_DIGIT = BINS
 """A lane's digit where its key does not take part in a pass (a key off the prefix, a token past S)."""
 SIGN_BIT = 0x80000000
@@ -73,6 +80,15 @@ def _order_key(bits: Uint32) -> Uint32:
 def _key_at(row: cute.Tensor, token: Int32, seq_len: Int32) -> Uint32:
     """The key of ``token`` of ``row`` (S,) uint32 (the score bits), token clamped to S - 1: every lane loads."""
     return _order_key(row[cutlass.min(token, seq_len - 1)])
+
+
+@cute.jit
+def _load_keys(row: cute.Tensor, first: Int32, stride: int, seq_len: Int32) -> cute.Tensor:
+    """The keys of tokens ``first + stride * u``, u < ``LOADS_IN_FLIGHT``, in registers (all loads issued first)."""
+    keys = cute.make_rmem_tensor(LOADS_IN_FLIGHT, Uint32)
+    for u in cutlass.range_constexpr(LOADS_IN_FLIGHT):
+        keys[u] = _key_at(row, first + stride * u, seq_len)
+    return keys
 
 
 @cute.jit
@@ -117,14 +133,15 @@ class SelectRepairTokens:
         for p in cutlass.range_constexpr(PASSES):
             shift = 32 - DIGIT_BITS * (p + 1)
             high_mask = (0xFFFFFFFF << (shift + DIGIT_BITS)) & 0xFFFFFFFF  # the digits found so far
-            for base in cutlass.range(0, seq_len, THREADS):
-                token = base + tidx
-                key = _key_at(row, token, seq_len)
-                takes_part = (token < seq_len) & ((key & Uint32(high_mask)) == prefix)
-                digit = _select(takes_part, Int32((key >> Uint32(shift)) & Uint32(BINS - 1)), Int32(NO_DIGIT))
-                peers = cute.arch.match_sync(cute.arch.FULL_MASK, digit)
-                if ((peers & lower_lanes) == Uint32(0)) & (digit != NO_DIGIT):  # the lowest lane of its peers
-                    cute.arch.atomic_add(hist.iterator + (p * BINS + digit), _lane_count(peers), scope="cta")
+            for base in cutlass.range(0, seq_len, THREADS * LOADS_IN_FLIGHT):
+                keys = _load_keys(row, base + tidx, THREADS, seq_len)
+                for u in cutlass.range_constexpr(LOADS_IN_FLIGHT):
+                    token, key = base + u * THREADS + tidx, keys[u]
+                    takes_part = (token < seq_len) & ((key & Uint32(high_mask)) == prefix)
+                    digit = _select(takes_part, Int32((key >> Uint32(shift)) & Uint32(BINS - 1)), Int32(NO_DIGIT))
+                    peers = cute.arch.match_sync(cute.arch.FULL_MASK, digit)
+                    if ((peers & lower_lanes) == Uint32(0)) & (digit != NO_DIGIT):  # the lowest lane of its peers
+                        cute.arch.atomic_add(hist.iterator + (p * BINS + digit), _lane_count(peers), scope="cta")
             cute.arch.barrier()
 
             # Every warp: the digit whose bin holds the need-th key from the top, and what remains needed in it.
@@ -152,15 +169,16 @@ class SelectRepairTokens:
         threshold, take_equal = prefix, need
 
         # ---- 3. compaction: this warp's tokens [first_token, end) ----
-        chunks_per_warp = cute.ceil_div(cute.ceil_div(seq_len, 32), WARPS)
-        first_token = warp * chunks_per_warp * 32
-        end = cutlass.min(first_token + chunks_per_warp * 32, seq_len)
+        segment = cute.ceil_div(cute.ceil_div(seq_len, WARP_STEP), WARPS) * WARP_STEP
+        first_token = warp * segment
+        end = cutlass.min(first_token + segment, seq_len)
         above, equal = Int32(0), Int32(0)
-        for base in cutlass.range(first_token, end, 32):
-            token = base + lane
-            key = _key_at(row, token, seq_len)
-            above += _lane_count(cute.arch.vote_ballot_sync((token < seq_len) & (key > threshold)))
-            equal += _lane_count(cute.arch.vote_ballot_sync((token < seq_len) & (key == threshold)))
+        for base in cutlass.range(first_token, end, WARP_STEP):
+            keys = _load_keys(row, base + lane, 32, seq_len)
+            for u in cutlass.range_constexpr(LOADS_IN_FLIGHT):
+                token, key = base + 32 * u + lane, keys[u]
+                above += _lane_count(cute.arch.vote_ballot_sync((token < seq_len) & (key > threshold)))
+                equal += _lane_count(cute.arch.vote_ballot_sync((token < seq_len) & (key == threshold)))
         if lane == 0:
             warp_above[warp] = above
             warp_equal[warp] = equal
@@ -172,16 +190,17 @@ class SelectRepairTokens:
         equal_before = cute.arch.warp_redux_sync(_select(earlier, warp_equal[lane], Int32(0)), "add")
         kept = above_before + cutlass.min(equal_before, take_equal)  # tokens kept before this warp's
         equal_seen = equal_before
-        for base in cutlass.range(first_token, end, 32):
-            token = base + lane
-            key = _key_at(row, token, seq_len)
-            is_above = (token < seq_len) & (key > threshold)
-            is_equal = (token < seq_len) & (key == threshold)
-            equal_lanes = Uint32(cute.arch.vote_ballot_sync(is_equal))
-            keep = is_above | (is_equal & (equal_seen + _lane_count(equal_lanes & lower_lanes) < take_equal))
-            kept_lanes = Uint32(cute.arch.vote_ballot_sync(keep))
-            slot = kept + _lane_count(kept_lanes & lower_lanes)
-            if keep & (slot < count):
-                mTokens[b, h, slot] = Int64(token)
-            equal_seen += _lane_count(equal_lanes)
-            kept += _lane_count(kept_lanes)
+        for base in cutlass.range(first_token, end, WARP_STEP):
+            keys = _load_keys(row, base + lane, 32, seq_len)
+            for u in cutlass.range_constexpr(LOADS_IN_FLIGHT):
+                token, key = base + 32 * u + lane, keys[u]
+                is_above = (token < seq_len) & (key > threshold)
+                is_equal = (token < seq_len) & (key == threshold)
+                equal_lanes = Uint32(cute.arch.vote_ballot_sync(is_equal))
+                keep = is_above | (is_equal & (equal_seen + _lane_count(equal_lanes & lower_lanes) < take_equal))
+                kept_lanes = Uint32(cute.arch.vote_ballot_sync(keep))
+                slot = kept + _lane_count(kept_lanes & lower_lanes)
+                if keep & (slot < count):
+                    mTokens[b, h, slot] = Int64(token)
+                equal_seen += _lane_count(equal_lanes)
+                kept += _lane_count(kept_lanes)
