@@ -14,9 +14,10 @@ from cutlass import Float32, Uint8
 from .compile_cache import load_or_compile
 from .preparation import Prepared, PrepareOptions
 from .quant import BLOCK, apply_descale_guards, num_blocks, smoothing_mean, softmax_scale_or_default
-from .repair import choose_repair_tokens, repair_count
+from .repair import repair_count, repair_score
 from .sm90.layout import HEAD_DIM, PV_N
 from .sm90.prep import AbsmaxPerHead, PackV, QuantizePerBlock, RepairRows
+from .sm90.select import SelectRepairTokens
 from .sm90.target import COMPILE_OPTIONS, row_major_fake
 
 INPUT_ALIGN = 16
@@ -24,10 +25,13 @@ INPUT_ALIGN = 16
 TORCH_TO_CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 
 PREP_KINDS = (
-    "quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy", "repair_rows"
+    "quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy",
+    "select_repair_tokens", "repair_rows",
 )
 """The compiled kernels: quantize Q or K, K minus its channel mean (smooth_k), V's absmax, packed V without and
-with the residual energies, and the repair keys (V residual repair)."""
+with the residual energies, and for V residual repair the choice of its tokens and their repair keys."""
+SCORE_KINDS = ("select_repair_tokens",)
+"""Kernels that read only FP32 scores, not the inputs: one compiled kernel serves every input dtype."""
 
 
 def _input_fake(dtype: type[cutlass.Numeric]):
@@ -45,13 +49,15 @@ def _rows_fake(shape: tuple):
 
 
 def load_prep(kind: str, dtype: torch.dtype):
-    """``compile_prep(kind, dtype)``, compiled once per machine (``compile_cache``)."""
-    name = f"prep_{kind}_{str(dtype).removeprefix('torch.')}"
+    """``compile_prep(kind, dtype)``, compiled once per machine (``compile_cache``); once for every dtype where
+    the kernel does not read the inputs (``SCORE_KINDS``)."""
+    name = f"prep_{kind}" if kind in SCORE_KINDS else f"prep_{kind}_{str(dtype).removeprefix('torch.')}"
     return load_or_compile(name, lambda: compile_prep(kind, dtype))
 
 
 def compile_prep(kind: str, dtype: torch.dtype):
-    """Compile one preparation kernel (one of ``PREP_KINDS``) for fp16 or bf16 inputs, for sm_90a; no GPU needed."""
+    """Compile one preparation kernel (one of ``PREP_KINDS``) for fp16 or bf16 inputs (``SCORE_KINDS`` compile
+    the same kernel for both), for sm_90a; no GPU needed."""
     if kind not in PREP_KINDS:
         raise ValueError(f"unknown preparation kernel {kind!r}; known: {', '.join(PREP_KINDS)}")
     x = _input_fake(TORCH_TO_CUTLASS[dtype])
@@ -64,6 +70,11 @@ def compile_prep(kind: str, dtype: torch.dtype):
         args = (QuantizePerBlock(), x, x8, d, mean)
     elif kind == "absmax_per_head":
         args = (AbsmaxPerHead(), x, per_head)
+    elif kind == "select_repair_tokens":
+        args = (
+            SelectRepairTokens(), row_major_fake(Float32, (b, h, cute.sym_int()), 4),
+            row_major_fake(cutlass.Int64, (b, h, cute.sym_int()), 8),
+        )
     elif kind == "repair_rows":
         s_all, n_k, repair_keys = cute.sym_int(divisibility=BLOCK), cute.sym_int(), cute.sym_int(divisibility=BLOCK)
         args = (
@@ -181,8 +192,9 @@ def prepare(
     Byte-identical to ``preparation.prepare_reference`` with the same options, ``v_absmax`` and ``k_mean`` (the
     descale guards of ``quant.apply_descale_guards`` included; ``softmax_scale`` defaults to ``1 / sqrt(128)``),
     except that the repair tokens are ranked by residual energies summed in another order (the choice can differ
-    where two tokens nearly tie). With repair: the four launches of ``prepare_into``, the ranking's ops, and one
-    launch for the repair keys (``sm90.prep.RepairRows``).
+    where two tokens nearly tie). With repair: the four launches of ``prepare_into``, the ranking's ops (none for
+    the "energy" ranking), one launch choosing the tokens (``sm90.select.SelectRepairTokens``, the rule of
+    ``repair.select_repair_tokens``) and one for the repair keys (``sm90.prep.RepairRows``).
     Arguments are checked by the caller (``validation``, ``support``): same device, dtype, batch and heads.
     """
     batch, seq_q, heads, _ = q.shape
@@ -196,9 +208,9 @@ def prepare(
         v_absmax=v_absmax, k_mean=k_mean,
     )
     if count:
-        tokens = choose_repair_tokens(
-            energy, count, q, k, ranking=options.repair_ranking, softmax_scale=options.softmax_scale
-        )
+        score = repair_score(energy, q, k, ranking=options.repair_ranking, softmax_scale=options.softmax_scale)
+        tokens = torch.empty(batch, heads, count, dtype=torch.int64, device=q.device)
+        load_prep("select_repair_tokens", v.dtype)(score.contiguous(), tokens)
         repair_rows = load_prep("repair_rows", v.dtype)
         repair_rows(v, tokens, out.k8, out.d_k, out.v_packed, out.d_v, out.d_k_repair, out.tile_repair)
     return out

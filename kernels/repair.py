@@ -2,7 +2,8 @@
 
 Per head, the tokens of largest residual energy ``sum_c r_jc^2`` (optionally weighed by their ``attention_mass``)
 become ``round(rho * S)`` extra keys: a copy of the token's quantized key with its block's K descale, and the value
-row ``e4m3(r_j / d_V)`` in V's per-head scale (DESIGN.md section 2, item 8). The reference and both preparations
+row ``e4m3(r_j / d_V)`` in V's per-head scale (DESIGN.md section 2, item 8); exact ties go to the lower token
+index, and the chosen tokens are listed in ascending order (``select_repair_tokens``). The reference and both preparations
 take their repair keys from here. Tensors are head-major, ``(B, H, S, D)``.
 """
 
@@ -58,14 +59,45 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> to
     return torch.linalg.vector_norm(probs, dim=2).square() / count
 
 
-def select_repair_tokens(energy: torch.Tensor, count: int, key_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Per head, the ``count`` tokens of largest ``residual_energy`` (times ``key_weight``, e.g. the
-    ``attention_mass``, where given), largest first: ``(B, H, count)`` int64.
+ORDER_KEY_NAN = 0xFFFFFFFF
+"""``order_key`` of every NaN: above every number, +inf's key 0xFF800000 included."""
 
-    ``torch.topk`` breaks exact ties (deterministic on one device).
+
+def order_key(score: torch.Tensor) -> torch.Tensor:
+    """Each FP32 score as an order-preserving unsigned 32-bit key, held in int64: ``(B, H, S)``.
+
+    Larger scores get larger keys; every NaN gets ``ORDER_KEY_NAN`` (the largest key), -0.0 the key of +0.0. The
+    key of a non-negative float is its bits with the sign bit set, of a negative one its bits inverted, so the
+    keys order as the numbers do, -inf lowest. ``sm90.select`` computes the same key on the GPU.
     """
-    score = energy * key_weight if key_weight is not None else energy
-    return torch.topk(score, count, dim=-1, sorted=True).indices
+    bits = score.float().contiguous().view(torch.int32).long()  # sign-extended: negative floats < 0
+    key = torch.where(bits < 0, -1 - bits, bits + 2**31)  # ~u for a negative float's bits u, u | 2^31 otherwise
+    key = torch.where(score == 0, 2**31, key)  # -0.0 == +0.0
+    return torch.where(score.isnan(), ORDER_KEY_NAN, key)
+
+
+def select_repair_tokens(score: torch.Tensor, count: int) -> torch.Tensor:
+    """Per head, the ``count`` tokens of largest ``score`` (B, H, S) fp32 (``repair_score``), in ascending token
+    order: ``(B, H, count)`` int64.
+
+    The rule, the same on every device (``sm90.select.SelectRepairTokens`` reproduces it bit for bit): scores
+    order by ``order_key`` (NaN above +inf above every finite score, -0.0 equal to +0.0); among equal keys the
+    lower token index ranks higher.
+    """
+    ranked = torch.sort(order_key(score), dim=-1, descending=True, stable=True).indices
+    return ranked[..., :count].sort(dim=-1).values
+
+
+def repair_score(
+    energy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *, ranking: str, softmax_scale: float | None
+) -> torch.Tensor:
+    """What ranks the repair candidates, from their ``residual_energy`` (B, H, S) and ``(B, S, H, D)`` q, k: the
+    energy itself (ranking "energy") or the energy times the ``attention_mass`` (ranking "attention";
+    ``softmax_scale`` defaults to ``1 / sqrt(D)``): ``(B, H, S)`` fp32."""
+    if ranking != "attention":
+        return energy
+    tau = softmax_scale_or_default(softmax_scale, q.shape[-1])
+    return energy * attention_mass(q.transpose(1, 2), k.transpose(1, 2), tau)
 
 
 def choose_repair_tokens(
@@ -77,14 +109,10 @@ def choose_repair_tokens(
     ranking: str,
     softmax_scale: float | None,
 ) -> torch.Tensor:
-    """The repair tokens per head, from their ``residual_energy`` (B, H, S) and ``(B, S, H, D)`` q, k (for the
-    "attention" ranking's ``attention_mass``; ``softmax_scale`` defaults to ``1 / sqrt(D)``): ``(B, H, count)``
-    int64, best first."""
-    if ranking != "attention":
-        return select_repair_tokens(energy, count)
-    tau = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    mass = attention_mass(q.transpose(1, 2), k.transpose(1, 2), tau)
-    return select_repair_tokens(energy, count, mass)
+    """The repair tokens per head, from their ``residual_energy`` (B, H, S) and ``(B, S, H, D)`` q, k
+    (``repair_score``, ``select_repair_tokens``): ``(B, H, count)`` int64, ascending."""
+    score = repair_score(energy, q, k, ranking=ranking, softmax_scale=softmax_scale)
+    return select_repair_tokens(score, count)
 
 
 def gather_tokens(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -110,7 +138,7 @@ def rank_repair_tokens(
     softmax_scale: float | None,
 ) -> torch.Tensor:
     """The ``count`` repair tokens per head of ``(B, S, H, D)`` q, k, v quantized to head-major ``v8``, ``d_v``
-    (``quant.quantize_inputs``), from residual energies summed by PyTorch: ``(B, H, count)`` int64, best first."""
+    (``quant.quantize_inputs``), from residual energies summed by PyTorch: ``(B, H, count)`` int64, ascending."""
     energy = residual_energy(v_residual(v.transpose(1, 2), v8, d_v))
     return choose_repair_tokens(energy, count, q, k, ranking=ranking, softmax_scale=softmax_scale)
 

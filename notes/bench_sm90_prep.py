@@ -2,7 +2,8 @@
 
 Run on a Hopper GPU: ``python notes/bench_sm90_prep.py``. Bytes count reads plus writes. Besides the four
 launches: K smoothing (channel mean + centered K launch) and each step of V residual repair at rho = 0.005
-(PackV with energies, the attention-mass estimate, top-k, writing the repair keys).
+(PackV with energies, the attention-mass estimate, choosing the tokens: the kernel and PyTorch's reference,
+writing the repair keys).
 """
 
 import faulthandler
@@ -61,6 +62,7 @@ def main() -> None:
     mean_k = channel_mean(k.transpose(1, 2)).squeeze(2)
     count = repair_count(SEQ_LEN, REPAIR_RATIO)
     tokens = choose_repair_tokens(energy.normal_(), count, q, k, ranking="energy", softmax_scale=TAU)
+    select_out = torch.empty_like(tokens)
     repaired = prep.prepare(q, k, v, PrepareOptions(repair_ratio=REPAIR_RATIO))
     kernels = {
         "copy (torch, one input)": (lambda: copy_dst.copy_(q), 2 * x_bytes),
@@ -87,7 +89,12 @@ def main() -> None:
             lambda: attention_mass(q.transpose(1, 2), k.transpose(1, 2), TAU),
             x_bytes + 4 * 4 * BATCH * HEADS * MASS_SAMPLE_ROWS * SEQ_LEN,
         ),
-        "repair: top-k (torch)": (lambda: select_repair_tokens(energy, count), energy.numel() * 4),
+        "repair: select_repair_tokens (kernel)": (
+            lambda: prep.load_prep("select_repair_tokens", v.dtype)(energy, select_out), energy.numel() * 4
+        ),
+        "repair: select_repair_tokens (torch reference)": (
+            lambda: select_repair_tokens(energy, count), energy.numel() * 4
+        ),
         "repair: write_repair_rows": (lambda: write_repair_rows(repaired, v, tokens), 0),
         "prepare, rho=0.005 energy ranking": (
             lambda: prep.prepare(q, k, v, PrepareOptions(repair_ratio=REPAIR_RATIO, repair_ranking="energy")), 0

@@ -26,8 +26,11 @@ FORWARD = (
 )
 PREP = "import torch; from openvc_kernels.prep_ops import compile_prep; compile_prep({kind!r}, torch.{dtype})"
 PREP_KINDS = (
-    "quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy", "repair_rows"
+    "quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy",
+    "select_repair_tokens", "repair_rows",
 )
+SCORE_KINDS = ("select_repair_tokens",)
+"""``prep_ops.SCORE_KINDS``: one kernel for every input dtype, censused once."""
 KERNELS = {
     "fwd_window": FORWARD.format(plain=False, lse=False),
     "fwd_plain": FORWARD.format(plain=True, lse=False),
@@ -35,8 +38,10 @@ KERNELS = {
     **{
         f"prep_{kind}_{dtype}": PREP.format(kind=kind, dtype=dtype)
         for kind in PREP_KINDS
+        if kind not in SCORE_KINDS
         for dtype in ("bfloat16", "float16")
     },
+    **{f"prep_{kind}": PREP.format(kind=kind, dtype="bfloat16") for kind in SCORE_KINDS},
 }
 INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+((?:@!?U?P\w+\s+)?[A-Z0-9][.A-Z0-9]*[^;]*);")
 OPCODE = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z0-9][.A-Z0-9]*)")

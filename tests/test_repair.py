@@ -6,7 +6,19 @@ import torch
 
 from openvc_kernels.preparation import PrepareOptions, prepare_reference
 from openvc_kernels.quant import BLOCK, quantize_per_head
-from openvc_kernels.repair import choose_repair_tokens, gather_tokens, quantize_repair_rows, residual_energy, v_residual
+import math
+
+from openvc_kernels.repair import (
+    ORDER_KEY_NAN,
+    choose_repair_tokens,
+    gather_tokens,
+    order_key,
+    quantize_repair_rows,
+    repair_score,
+    residual_energy,
+    select_repair_tokens,
+    v_residual,
+)
 from openvc_kernels.sm90.layout import CHUNK, E4M3_ONE, HEAD_DIM, chunk_key, pack_v, packed_position
 
 
@@ -27,8 +39,12 @@ def test_repair_keys_follow_the_reference_choice(fresh_seed, ranking):
     v_heads = v.transpose(1, 2)
     v8, d_v = quantize_per_head(v_heads)
     residual = v_residual(v_heads, v8, d_v)
-    tokens = choose_repair_tokens(residual_energy(residual), count, q, k, ranking=ranking, softmax_scale=0.1)
-    assert torch.isin(tokens[..., 0], torch.arange(0, 700, 97)).all(), "an outlier token ranks first"
+    energy = residual_energy(residual)
+    tokens = choose_repair_tokens(energy, count, q, k, ranking=ranking, softmax_scale=0.1)
+    best = repair_score(energy, q, k, ranking=ranking, softmax_scale=0.1).argmax(-1, keepdim=True)
+    assert torch.isin(best, torch.arange(0, 700, 97)).all(), "an outlier token scores highest"
+    assert (tokens == best).any(-1).all(), "the best token is chosen"
+    assert (tokens.diff(dim=-1) > 0).all(), "ascending"
 
     assert repaired.repair_tiles == 2 and repaired.k8.shape[2] == s_pad + 2 * BLOCK
     assert torch.equal(repaired.k8[:, :, :s_pad], prepared.k8)
@@ -64,3 +80,54 @@ def test_prepare_rejects_bad_arguments_before_any_launch():
         prepare(q, q, q, repair_ranking="mass")
     with pytest.raises(ValueError, match="runs on CUDA devices, inputs are on cpu"):
         prepare(q, q, q)
+
+
+def _chosen_by_the_rule(row: list[float], count: int) -> list[int]:
+    """``select_repair_tokens``' rule, written out: NaN above everything, +inf next, -0.0 == +0.0, ties to the
+    lower index; the chosen tokens ascending."""
+    rank = sorted(range(len(row)), key=lambda i: (math.isnan(row[i]), 0.0 if math.isnan(row[i]) else row[i], -i))
+    return sorted(rank[::-1][:count])
+
+
+def _tied_scores(shape, generator) -> torch.Tensor:
+    values = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0, 1.0000001, -2.0, 1e-40, 7.5])
+    pick = torch.randint(len(values), shape, generator=generator)
+    return values[pick]
+
+
+@pytest.mark.parametrize("seq_len", [1, 2, 7, 37, 130, 1000])
+def test_select_repair_tokens_follows_the_rule(fresh_seed, seq_len):
+    generator = torch.Generator().manual_seed(fresh_seed)
+    for flavour in ("ties", "ties and noise"):
+        score = _tied_scores((2, 3, seq_len), generator)
+        if flavour == "ties and noise":
+            noisy = torch.rand(score.shape, generator=generator) < 0.5
+            score = torch.where(noisy, torch.randn(score.shape, generator=generator), score)
+        for count in sorted({1, max(1, seq_len // 3), max(1, seq_len // 2), seq_len}):
+            tokens = select_repair_tokens(score, count)
+            assert tokens.shape == (2, 3, count) and tokens.dtype == torch.int64
+            for b in range(2):
+                for h in range(3):
+                    want = _chosen_by_the_rule(score[b, h].tolist(), count)
+                    assert tokens[b, h].tolist() == want, f"{flavour}, count {count}, head {(b, h)} (seed {fresh_seed})"
+
+
+def test_select_repair_tokens_nan_first_then_inf_then_lower_index():
+    score = torch.tensor([[[1.0, float("inf"), float("nan"), 1.0, -0.0, float("nan"), float("inf"), 0.0, 1.0]]])
+    assert select_repair_tokens(score, 2).tolist() == [[[2, 5]]]
+    assert select_repair_tokens(score, 3).tolist() == [[[1, 2, 5]]]
+    assert select_repair_tokens(score, 5).tolist() == [[[0, 1, 2, 5, 6]]]
+    assert select_repair_tokens(score, 7).tolist() == [[[0, 1, 2, 3, 5, 6, 8]]]
+    assert select_repair_tokens(score, 8).tolist() == [[[0, 1, 2, 3, 4, 5, 6, 8]]], "-0.0 ties +0.0: lower index"
+    # A negative NaN (sign bit set) is a NaN like any other.
+    negative_nan = torch.tensor([0x7FC00000 | -(2**31)], dtype=torch.int32).view(torch.float32)
+    assert select_repair_tokens(torch.cat([torch.tensor([5.0]), negative_nan])[None, None], 1).tolist() == [[[1]]]
+
+
+def test_order_key_orders_as_the_numbers():
+    ladder = [-float("inf"), -3e38, -1.0, -1e-45, 0.0, 1e-45, 1e-38, 1.0, 3e38, float("inf")]
+    keys = order_key(torch.tensor(ladder)).tolist()
+    assert keys == sorted(keys) and len(set(keys)) == len(keys)
+    assert all(0 <= key < ORDER_KEY_NAN for key in keys)
+    specials = order_key(torch.tensor([-0.0, 0.0, float("nan"), -float("nan")])).tolist()
+    assert specials == [2**31, 2**31, ORDER_KEY_NAN, ORDER_KEY_NAN]

@@ -12,13 +12,13 @@ import torch
 
 from openvc_kernels.preparation import Prepared, PrepareOptions, prepare_reference, write_repair_rows
 from openvc_kernels.quant import BLOCK, quantize_per_head
-from openvc_kernels.repair import attention_mass, residual_energy, v_residual
+from openvc_kernels.repair import attention_mass, residual_energy, select_repair_tokens, v_residual
 from openvc_kernels.sm90.layout import CHUNK, KEY_PERMUTATION
 
 cutlass = pytest.importorskip("cutlass")
 
 from openvc_kernels import prep_ops  # noqa: E402  (needs cutlass)
-from openvc_kernels.sm90 import prep  # noqa: E402
+from openvc_kernels.sm90 import prep, select  # noqa: E402
 
 KINDS = prep_ops.PREP_KINDS
 DTYPES = (torch.bfloat16, torch.float16)
@@ -58,7 +58,7 @@ for kind in prep_kinds:
     for dtype in (torch.bfloat16, torch.float16):
         ptx = prep_ops.compile_prep(kind, dtype).artifacts.PTX
         ops = collections.Counter(re.findall(r"^\\s+(?:@%p\\d+\\s+)?([a-z][a-z0-9_.:]*)", ptx, re.M))
-        # Warp/CTA synchronisation inside a conditional region (between `@%p bra L` and `L:`), and loops.
+        # Warp/CTA synchronisation inside a conditional region (between a forward `@%p bra L` and `L:`), and loops.
         open_targets, seen_labels, divergent_sync, backward = set(), set(), [], []
         for line in ptx.splitlines():
             line = line.strip()
@@ -70,8 +70,8 @@ for kind in prep_kinds:
             branch = re.match(r"^(@!?%p\\d+\\s+)?bra(?:\\.uni)?\\s+(\\$L__\\w+);", line)
             if branch:
                 if branch.group(2) in seen_labels:
-                    backward.append(line)
-                if branch.group(1):
+                    backward.append(line)  # a loop's back edge: it opens no region
+                elif branch.group(1):
                     open_targets.add(branch.group(2))
             elif open_targets and re.match(r"^(shfl|bar|barrier|vote|match|redux|activemask)[.\\s]", line):
                 divergent_sync.append(line)
@@ -102,13 +102,16 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
     compiled = ptx_ops[f"{kind}/{dtype}"]
     ops = compiled["ops"]
     assert compiled["target"] == "sm_90a"
+    count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))
+    assert count("ld.local") == 0 and count("st.local") == 0, "registers spilled"
+    if kind == "select_repair_tokens":
+        _check_select_ptx(compiled, count)
+        return
     # No shfl.sync / bar.sync under a divergent branch: make_warp_uniform (warp_idx) inside `if lane == 0`
     # put a full-mask shfl.sync there, which deadlocks against bar.sync 0 (the H200 hang, notes/prep.md).
     assert compiled["divergent_sync"] == [], compiled["divergent_sync"]
     # Straight-line kernels: no loops, so a launch always terminates once every thread reaches bar.sync 0.
     assert compiled["backward_branches"] == [], compiled["backward_branches"]
-    count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))
-    assert count("ld.local") == 0 and count("st.local") == 0, "registers spilled"
     if kind == "repair_rows":
         # A thread's 8 channels of one repair key: each residual one product rounded alone and one IEEE division,
         # as torch's kernels round them, then two values per RNE-saturating conversion.
@@ -138,6 +141,50 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
         # 8 lanes for each of the 4 tokens, and one 4-byte store per token (plus d_v's).
         assert ops.get("cvt.rn.f16x2.e4m3x2") == 32 and ops.get("mul.rn.f32") == 64  # d_v * V8 rounded alone
         assert ops.get("shfl.sync.bfly.b32") == 12 and ops.get("st.global.b32") == 4 + 1
+
+
+def _check_select_ptx(compiled: dict, count) -> None:
+    """SelectRepairTokens (``sm90.select``): loops over the row, block barriers only where every thread is, one
+    shared histogram atomic per radix pass, and int64 token stores."""
+    ops = compiled["ops"]
+    # One barrier after zeroing the histograms, one per radix pass, one before the warps' counts are read; none
+    # inside a conditional region (a thread skipping it would hang the block).
+    assert ops.get("bar.sync") == 2 + select.PASSES
+    # Inside regions: only the warp-synchronous ops of the loops, whose trip count is the same on every lane of a
+    # warp (match for the warp-aggregated histogram adds, ballots in the compaction); the digit search's
+    # shuffles and reductions run outside any branch.
+    assert {line.split()[0] for line in compiled["divergent_sync"]} <= {"match.any.sync.b32", "vote.sync.ballot.b32"}
+    # Per pass and token in flight: one match and one shared atomic (by the lowest lane of each digit's peers).
+    assert ops.get("match.any.sync.b32") == select.PASSES * select.LOADS_IN_FLIGHT
+    assert ops.get("atom.shared.cta.add.u32") == count("atom.shared") == select.PASSES * select.LOADS_IN_FLIGHT
+    # Loads in flight: each pass of the radix select and of the compaction loads LOADS_IN_FLIGHT keys a step.
+    assert ops.get("ld.global.b32") == (select.PASSES + 2) * select.LOADS_IN_FLIGHT
+    assert count("atom.global") == 0 and count("red.") == 0
+    assert ops.get("shfl.sync.down.b32") == 5 * select.PASSES  # the suffix sums over 32 lanes
+    # Score bits read 4 bytes at a time, tokens written as int64, nothing else written to global memory.
+    assert {op for op in ops if op.startswith("st.global")} == {"st.global.b64"}
+    assert {op for op in ops if op.startswith("ld.global")} == {"ld.global.b32"}
+    assert compiled["backward_branches"], "the row is visited in loops"
+
+
+def test_select_sass_has_no_local_memory():
+    """ptxas spills show only in SASS (PTX has no spill code): SelectRepairTokens runs in registers and shared
+    memory, at 1024 threads per block (64 registers a thread at most)."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "notes" / "sass_census.py"
+    spec = importlib.util.spec_from_file_location("sass_census", script)
+    census = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(census)
+    try:
+        counts = census.compile_one("prep_select_repair_tokens")["counts"]
+    except subprocess.CalledProcessError as error:
+        pytest.skip(f"SASS dump failed (needs nvdisasm: pip install nvidia-cuda-nvdisasm): {error}")
+    assert counts.get("EXIT", 0) >= 1
+    local = {op: n for op, n in counts.items() if op.split(".")[0] in ("LDL", "STL")}
+    assert local == {}, f"local memory use: {local}"
+    assert any(op.startswith("ATOMS") for op in counts), "the histograms' shared-memory atomics"
 
 
 # ---- GPU: byte-identical to the PyTorch reference ----
@@ -348,3 +395,44 @@ def test_prepare_with_repair_in_cuda_graph(seed):
         x.copy_(_inputs("heavy", x.shape, x.dtype, "cuda"))
     graph.replay()
     _assert_identical(static_out, prep_ops.prepare(q, k, v, options), f"replay with repair, seed {seed}")
+
+
+def _scores(kind: str, shape, device) -> torch.Tensor:
+    """Random (B, H, S) fp32 scores of one flavour: continuous energies, heavy ties (a few values), or ties with
+    NaN, +-inf and +-0.0 among them."""
+    if kind == "energy":
+        return torch.rand(shape, device=device).square_() * torch.exp(4.0 * torch.randn(shape, device=device))
+    values = [0.5, 1.0, 1.0000001, 2.0] if kind == "ties" else [
+        float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.0, -3.0, 1e-40
+    ]
+    values = torch.tensor(values, device=device)
+    return values[torch.randint(len(values), shape, device=device)]
+
+
+SELECT_LENGTHS = (1, 37, 1000, 4099, 32760, 118800)
+SELECT_CASES = [
+    (batch, heads, seq_len, count)
+    for seq_len in SELECT_LENGTHS
+    for batch, heads in ((1, 40), (2, 3))
+    for count in sorted({1, max(1, round(0.005 * seq_len)), max(1, seq_len // 2)})
+]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("flavour", ("energy", "ties", "special"))
+@pytest.mark.parametrize("batch,heads,seq_len,count", SELECT_CASES, ids=str)
+def test_select_repair_tokens_matches_reference(seed, batch, heads, seq_len, count, flavour):
+    """SelectRepairTokens writes exactly ``repair.select_repair_tokens``: the same tokens, ascending, every entry
+    of the poisoned output written."""
+    score = _scores(flavour, (batch, heads, seq_len), "cuda")
+    tokens = torch.full((batch, heads, count), -1, dtype=torch.int64, device="cuda")
+    prep_ops.load_prep("select_repair_tokens", torch.bfloat16)(score, tokens)
+    expected = select_repair_tokens(score, count)
+    assert torch.equal(expected, select_repair_tokens(score.cpu(), count).cuda()), f"reference (seed {seed})"
+    if not torch.equal(tokens, expected):
+        bad = (tokens != expected).any(-1).nonzero()[0].tolist()
+        raise AssertionError(
+            f"head {bad}: {tokens[bad[0], bad[1]][:8].tolist()} vs {expected[bad[0], bad[1]][:8].tolist()} "
+            f"(seed {seed})"
+        )
