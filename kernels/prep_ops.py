@@ -1,7 +1,9 @@
-"""Host side of the fused preparation (``sm90.prep``): compiling its kernels, and running them on torch tensors.
+"""Host side of the fused preparation (``sm90.prep``, and the descale guards, ``sm90.guards``): compiling its
+kernels, and running them on torch tensors.
 
-Compilation is once per (kernel, input dtype), shapes and strides symbolic, no GPU needed (``compile_cache`` keeps
-the compiled kernels). ``prepare`` writes the bytes of ``preparation.prepare_reference`` on the current stream.
+Compilation is once per (kernel, input dtype) (once per kernel for ``DTYPE_FREE_KINDS``), shapes and strides
+symbolic, no GPU needed (``compile_cache`` keeps the compiled kernels). ``prepare`` writes the bytes of
+``preparation.prepare_reference`` on the current stream.
 """
 
 import functools
@@ -13,8 +15,9 @@ from cutlass import Float32, Uint8
 
 from .compile_cache import load_or_compile
 from .preparation import Prepared, PrepareOptions
-from .quant import BLOCK, apply_descale_guards, num_blocks, smoothing_mean, softmax_scale_or_default
+from .quant import BLOCK, code_span_numerator, num_blocks, smoothing_mean, softmax_scale_or_default
 from .repair import choose_repair_tokens, repair_count
+from .sm90.guards import DescaleGuards
 from .sm90.layout import HEAD_DIM, PV_N
 from .sm90.prep import AbsmaxPerHead, PackV, QuantizePerBlock, RepairRows
 from .sm90.target import COMPILE_OPTIONS, row_major_fake
@@ -24,10 +27,13 @@ INPUT_ALIGN = 16
 TORCH_TO_CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 
 PREP_KINDS = (
-    "quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy", "repair_rows"
+    "quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy", "repair_rows",
+    "descale_guards",
 )
 """The compiled kernels: quantize Q or K, K minus its channel mean (smooth_k), V's absmax, packed V without and
-with the residual energies, and the repair keys (V residual repair)."""
+with the residual energies, the repair keys (V residual repair), and the descale guards (``sm90.guards``)."""
+DTYPE_FREE_KINDS = ("descale_guards",)
+"""Kernels that never read the fp16/bf16 inputs (only FP32 descales): compiled once, for no input dtype (None)."""
 
 
 def _input_fake(dtype: type[cutlass.Numeric]):
@@ -44,20 +50,26 @@ def _rows_fake(shape: tuple):
     return cute.runtime.make_fake_tensor(Uint8, shape, stride=stride, assumed_align=INPUT_ALIGN)
 
 
-def load_prep(kind: str, dtype: torch.dtype):
+def load_prep(kind: str, dtype: torch.dtype | None = None):
     """``compile_prep(kind, dtype)``, compiled once per machine (``compile_cache``)."""
-    name = f"prep_{kind}_{str(dtype).removeprefix('torch.')}"
+    name = f"prep_{kind}" if dtype is None else f"prep_{kind}_{str(dtype).removeprefix('torch.')}"
     return load_or_compile(name, lambda: compile_prep(kind, dtype))
 
 
-def compile_prep(kind: str, dtype: torch.dtype):
-    """Compile one preparation kernel (one of ``PREP_KINDS``) for fp16 or bf16 inputs, for sm_90a; no GPU needed."""
+def compile_prep(kind: str, dtype: torch.dtype | None = None):
+    """Compile one preparation kernel (one of ``PREP_KINDS``) for fp16 or bf16 inputs (``dtype``; None for the
+    ``DTYPE_FREE_KINDS``), for sm_90a; no GPU needed."""
     if kind not in PREP_KINDS:
         raise ValueError(f"unknown preparation kernel {kind!r}; known: {', '.join(PREP_KINDS)}")
-    x = _input_fake(TORCH_TO_CUTLASS[dtype])
+    if (dtype is None) != (kind in DTYPE_FREE_KINDS):
+        raise ValueError(f"preparation kernel {kind!r} takes {'no' if dtype is not None else 'an'} input dtype")
     b, h, s_pad = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=BLOCK)
     per_head = row_major_fake(Float32, (b, h), 4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if kind == "descale_guards":
+        d_q, d_k = (row_major_fake(Float32, (b, h, cute.sym_int()), 4) for _ in range(2))
+        return cute.compile(DescaleGuards(), d_q, d_k, per_head, Float32(1.0), stream, options=COMPILE_OPTIONS)
+    x = _input_fake(TORCH_TO_CUTLASS[dtype])
     if kind.startswith("quantize"):
         mean = row_major_fake(Float32, (b, h, HEAD_DIM), 16) if kind == "quantize_centered_per_block" else None
         x8, d = _rows_fake((b, h, s_pad, HEAD_DIM)), row_major_fake(Float32, (b, h, cute.sym_int()), 4)
@@ -126,19 +138,20 @@ def prepare_into(
     k_mean: torch.Tensor | None = None,
 ) -> Prepared:
     """``prepare``'s real keys into the buffers of ``out`` (from ``empty_prepared``), descale guards applied
-    (``quant.apply_descale_guards``, for ``softmax_scale``, default ``1 / sqrt(128)``); returns ``out``.
+    (``quant.apply_descale_guards``'s bytes, for ``softmax_scale``, default ``1 / sqrt(128)``); returns ``out``.
     ``residual_energy`` (B, H, S_k) fp32, where given, receives ``repair.residual_energy`` of every token.
     ``v_absmax`` (B, H) replaces V's absmax (its launch is skipped), ``k_mean`` (B, H, 128) the channel mean that
     K smoothing subtracts (``quant.smoothing_mean``).
 
-    Four launches on the current stream (three with ``v_absmax``), then the guards' few small PyTorch ops on the
-    descales; nothing waits on the host, so a call can be captured in a CUDA graph.
+    Five launches on the current stream (four with ``v_absmax``): quantize Q, quantize K, V's absmax, pack V, then
+    the descale guards in place on ``out.d_q`` and ``out.d_v`` (``sm90.guards``); nothing waits on the host, so a
+    call can be captured in a CUDA graph.
     """
     mean_k = smoothing_mean(k, k_mean).contiguous() if smooth_k else None  # the reference's reduction
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     s_pad = num_blocks(out.seqlen_k) * BLOCK
     energy = residual_energy is not None
-    quantize_q, quantize_k, absmax_v, pack = load_kernels(q.dtype, smooth_k=smooth_k, energy=energy)
+    quantize_q, quantize_k, absmax_v, pack, guards = load_kernels(q.dtype, smooth_k=smooth_k, energy=energy)
     quantize_q(q, out.q8, out.d_q, None)
     quantize_k(k, out.k8[:, :, :s_pad], out.d_k, mean_k)
     if v_absmax is None:
@@ -147,24 +160,21 @@ def prepare_into(
     else:
         amax_v = v_absmax.contiguous()
     pack(v, amax_v, out.v_packed[..., :s_pad], out.d_v, residual_energy)
-    d_q, d_v = apply_descale_guards(
-        out.d_q, out.d_k, out.d_v, softmax_scale_or_default(softmax_scale, HEAD_DIM), head_dim=HEAD_DIM
-    )
-    out.d_q.copy_(d_q)
-    out.d_v.copy_(d_v)
+    numerator = code_span_numerator(softmax_scale_or_default(softmax_scale, HEAD_DIM), HEAD_DIM)
+    guards(out.d_q, out.d_k, out.d_v, numerator)
     return out
 
 
 def load_kernels(dtype: torch.dtype, *, smooth_k: bool, energy: bool) -> tuple:
-    """The four compiled launches of ``prepare_into`` in order (quantize Q, quantize K, V's absmax, pack V), for
-    inputs of ``dtype``, K smoothing and residual energies (V residual repair) as given."""
+    """The five compiled launches of ``prepare_into`` in order (quantize Q, quantize K, V's absmax, pack V, the
+    descale guards), for inputs of ``dtype``, K smoothing and residual energies (V residual repair) as given."""
     kinds = (
         "quantize_per_block",
         "quantize_centered_per_block" if smooth_k else "quantize_per_block",
         "absmax_per_head",
         "pack_v_energy" if energy else "pack_v",
     )
-    return tuple(load_prep(kind, dtype) for kind in kinds)
+    return (*(load_prep(kind, dtype) for kind in kinds), load_prep("descale_guards"))
 
 
 def prepare(
@@ -181,7 +191,7 @@ def prepare(
     Byte-identical to ``preparation.prepare_reference`` with the same options, ``v_absmax`` and ``k_mean`` (the
     descale guards of ``quant.apply_descale_guards`` included; ``softmax_scale`` defaults to ``1 / sqrt(128)``),
     except that the repair tokens are ranked by residual energies summed in another order (the choice can differ
-    where two tokens nearly tie). With repair: the four launches of ``prepare_into``, the ranking's ops, and one
+    where two tokens nearly tie). With repair: the five launches of ``prepare_into``, the ranking's ops, and one
     launch for the repair keys (``sm90.prep.RepairRows``).
     Arguments are checked by the caller (``validation``, ``support``): same device, dtype, batch and heads.
     """
