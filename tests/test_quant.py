@@ -13,6 +13,7 @@ from openvc_kernels.quant import (
     FP8_MAX,
     apply_descale_guards,
     code_span_numerator,
+    code_span_quotient,
     limit_code_span,
     poison_non_finite,
 )
@@ -46,20 +47,23 @@ def test_the_spelled_out_limit_is_the_former_formula_bit_for_bit(fresh_seed, sof
 @pytest.mark.parametrize("softmax_scale", SCALES)
 def test_the_numerator_is_the_double_quotient_rounded_once_to_fp32(softmax_scale):
     exact = CODE_SPAN_LIMIT / (softmax_scale * CODES_PER_NAT * 128 * FP8_MAX * FP8_MAX)
+    assert code_span_quotient(softmax_scale, 128) == exact
     numerator = code_span_numerator(softmax_scale, 128)
     assert numerator == torch.tensor(exact, dtype=torch.float32).item()  # torch's own double -> float rounding
     assert struct.unpack("f", struct.pack("f", numerator))[0] == numerator  # an FP32 value, converted exactly
     assert abs(numerator - exact) <= abs(exact) * 2.0**-24
 
 
-def test_the_bound_is_a_reciprocal_then_a_product(fresh_seed):
-    """With d_q = inf the result is the bound itself: ``reciprocal(d_k_max) * numerator``, what ``number / tensor``
+@pytest.mark.parametrize("softmax_scale", SCALES)
+def test_the_bound_is_a_reciprocal_then_a_product(fresh_seed, softmax_scale):
+    """With d_q = inf the result is the bound itself: ``reciprocal(d_k_max) * code_span_numerator`` (the FP32
+    constant the kernel gets; torch rounds the double quotient to it before multiplying), what ``number / tensor``
     computes in torch; one IEEE division of the same numbers differs in the last bit on some heads, so the choice
     is visible (the kernel must make the same one)."""
     d_k = torch.empty(4000, 1, 7).uniform_(-30, 10).exp()
     d_k_max = d_k.amax(dim=-1, keepdim=True)
-    numerator = code_span_numerator(128**-0.5, 128)
-    bound = limit_code_span(torch.full((4000, 1, 3), float("inf")), d_k, 128**-0.5, 128)
+    numerator = code_span_numerator(softmax_scale, 128)
+    bound = limit_code_span(torch.full((4000, 1, 3), float("inf")), d_k, softmax_scale, 128)
     two_roundings = (d_k_max.reciprocal() * numerator).expand_as(bound)
     assert torch.equal(_bits(bound), _bits(two_roundings))
     assert torch.equal(_bits(bound), _bits((numerator / d_k_max).expand_as(bound)))
