@@ -122,7 +122,7 @@ def build_failure(
 
         prep_ops.load_kernels(dtype, smooth_k=smooth_k, energy=repair)
         if repair:
-            prep_ops.load_prep("select_repair_tokens", dtype)
+            prep_ops.load_prep("select_repair_tokens")
             prep_ops.load_prep("repair_rows", dtype)
         _kernel(ForwardConfig(plain_order=plain_order, write_lse=lse))
     except KernelUnavailableError as error:

@@ -1,7 +1,9 @@
-"""Host side of the fused preparation (``sm90.prep``): compiling its kernels, and running them on torch tensors.
+"""Host side of the fused preparation (``sm90.prep``; the descale guards, ``sm90.guards``; the repair tokens'
+choice, ``sm90.select``): compiling its kernels, and running them on torch tensors.
 
-Compilation is once per (kernel, input dtype), shapes and strides symbolic, no GPU needed (``compile_cache`` keeps
-the compiled kernels). ``prepare`` writes the bytes of ``preparation.prepare_reference`` on the current stream.
+Compilation is once per (kernel, input dtype) (once per kernel for ``DTYPE_FREE_KINDS``), shapes and strides
+symbolic, no GPU needed (``compile_cache`` keeps the compiled kernels). ``prepare`` writes the bytes of
+``preparation.prepare_reference`` on the current stream.
 """
 
 import functools
@@ -9,12 +11,13 @@ import functools
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Uint8
+from cutlass import Float32, Int64, Uint8
 
 from .compile_cache import load_or_compile
 from .preparation import Prepared, PrepareOptions
-from .quant import BLOCK, apply_descale_guards, num_blocks, smoothing_mean, softmax_scale_or_default
+from .quant import BLOCK, code_span_numerator, num_blocks, smoothing_mean, softmax_scale_or_default
 from .repair import repair_count, repair_score
+from .sm90.guards import DescaleGuards
 from .sm90.layout import HEAD_DIM, PV_N
 from .sm90.prep import AbsmaxPerHead, PackV, QuantizePerBlock, RepairRows
 from .sm90.select import SelectRepairTokens
@@ -26,12 +29,14 @@ TORCH_TO_CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Flo
 
 PREP_KINDS = (
     "quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy",
-    "select_repair_tokens", "repair_rows",
+    "select_repair_tokens", "repair_rows", "descale_guards",
 )
 """The compiled kernels: quantize Q or K, K minus its channel mean (smooth_k), V's absmax, packed V without and
-with the residual energies, and for V residual repair the choice of its tokens and their repair keys."""
-SCORE_KINDS = ("select_repair_tokens",)
-"""Kernels that read only FP32 scores, not the inputs: one compiled kernel serves every input dtype."""
+with the residual energies, for V residual repair the choice of its tokens and their repair keys, and the descale
+guards (``sm90.guards``)."""
+DTYPE_FREE_KINDS = ("select_repair_tokens", "descale_guards")
+"""Kernels that never read the fp16/bf16 inputs (only FP32 scores or descales): compiled once, for no input dtype
+(None)."""
 
 
 def _input_fake(dtype: type[cutlass.Numeric]):
@@ -48,33 +53,36 @@ def _rows_fake(shape: tuple):
     return cute.runtime.make_fake_tensor(Uint8, shape, stride=stride, assumed_align=INPUT_ALIGN)
 
 
-def load_prep(kind: str, dtype: torch.dtype):
-    """``compile_prep(kind, dtype)``, compiled once per machine (``compile_cache``); once for every dtype where
-    the kernel does not read the inputs (``SCORE_KINDS``)."""
-    name = f"prep_{kind}" if kind in SCORE_KINDS else f"prep_{kind}_{str(dtype).removeprefix('torch.')}"
+def load_prep(kind: str, dtype: torch.dtype | None = None):
+    """``compile_prep(kind, dtype)``, compiled once per machine (``compile_cache``)."""
+    name = f"prep_{kind}" if dtype is None else f"prep_{kind}_{str(dtype).removeprefix('torch.')}"
     return load_or_compile(name, lambda: compile_prep(kind, dtype))
 
 
-def compile_prep(kind: str, dtype: torch.dtype):
-    """Compile one preparation kernel (one of ``PREP_KINDS``) for fp16 or bf16 inputs (``SCORE_KINDS`` compile
-    the same kernel for both), for sm_90a; no GPU needed."""
+def compile_prep(kind: str, dtype: torch.dtype | None = None):
+    """Compile one preparation kernel (one of ``PREP_KINDS``) for fp16 or bf16 inputs (``dtype``; None for the
+    ``DTYPE_FREE_KINDS``), for sm_90a; no GPU needed."""
     if kind not in PREP_KINDS:
         raise ValueError(f"unknown preparation kernel {kind!r}; known: {', '.join(PREP_KINDS)}")
-    x = _input_fake(TORCH_TO_CUTLASS[dtype])
+    if (dtype is None) != (kind in DTYPE_FREE_KINDS):
+        raise ValueError(f"preparation kernel {kind!r} takes {'no' if dtype is not None else 'an'} input dtype")
     b, h, s_pad = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=BLOCK)
     per_head = row_major_fake(Float32, (b, h), 4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if kind == "descale_guards":
+        d_q, d_k = (row_major_fake(Float32, (b, h, cute.sym_int()), 4) for _ in range(2))
+        return cute.compile(DescaleGuards(), d_q, d_k, per_head, Float32(1.0), stream, options=COMPILE_OPTIONS)
+    if kind == "select_repair_tokens":
+        score = row_major_fake(Float32, (b, h, cute.sym_int()), 4)
+        tokens = row_major_fake(Int64, (b, h, cute.sym_int()), 8)
+        return cute.compile(SelectRepairTokens(), score, tokens, stream, options=COMPILE_OPTIONS)
+    x = _input_fake(TORCH_TO_CUTLASS[dtype])
     if kind.startswith("quantize"):
         mean = row_major_fake(Float32, (b, h, HEAD_DIM), 16) if kind == "quantize_centered_per_block" else None
         x8, d = _rows_fake((b, h, s_pad, HEAD_DIM)), row_major_fake(Float32, (b, h, cute.sym_int()), 4)
         args = (QuantizePerBlock(), x, x8, d, mean)
     elif kind == "absmax_per_head":
         args = (AbsmaxPerHead(), x, per_head)
-    elif kind == "select_repair_tokens":
-        args = (
-            SelectRepairTokens(), row_major_fake(Float32, (b, h, cute.sym_int()), 4),
-            row_major_fake(cutlass.Int64, (b, h, cute.sym_int()), 8),
-        )
     elif kind == "repair_rows":
         s_all, n_k, repair_keys = cute.sym_int(divisibility=BLOCK), cute.sym_int(), cute.sym_int(divisibility=BLOCK)
         args = (
@@ -137,19 +145,20 @@ def prepare_into(
     k_mean: torch.Tensor | None = None,
 ) -> Prepared:
     """``prepare``'s real keys into the buffers of ``out`` (from ``empty_prepared``), descale guards applied
-    (``quant.apply_descale_guards``, for ``softmax_scale``, default ``1 / sqrt(128)``); returns ``out``.
+    (``quant.apply_descale_guards``'s bytes, for ``softmax_scale``, default ``1 / sqrt(128)``); returns ``out``.
     ``residual_energy`` (B, H, S_k) fp32, where given, receives ``repair.residual_energy`` of every token.
     ``v_absmax`` (B, H) replaces V's absmax (its launch is skipped), ``k_mean`` (B, H, 128) the channel mean that
     K smoothing subtracts (``quant.smoothing_mean``).
 
-    Four launches on the current stream (three with ``v_absmax``), then the guards' few small PyTorch ops on the
-    descales; nothing waits on the host, so a call can be captured in a CUDA graph.
+    Five launches on the current stream (four with ``v_absmax``): quantize Q, quantize K, V's absmax, pack V, then
+    the descale guards in place on ``out.d_q`` and ``out.d_v`` (``sm90.guards``); nothing waits on the host, so a
+    call can be captured in a CUDA graph.
     """
     mean_k = smoothing_mean(k, k_mean).contiguous() if smooth_k else None  # the reference's reduction
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     s_pad = num_blocks(out.seqlen_k) * BLOCK
     energy = residual_energy is not None
-    quantize_q, quantize_k, absmax_v, pack = load_kernels(q.dtype, smooth_k=smooth_k, energy=energy)
+    quantize_q, quantize_k, absmax_v, pack, guards = load_kernels(q.dtype, smooth_k=smooth_k, energy=energy)
     quantize_q(q, out.q8, out.d_q, None)
     quantize_k(k, out.k8[:, :, :s_pad], out.d_k, mean_k)
     if v_absmax is None:
@@ -158,24 +167,21 @@ def prepare_into(
     else:
         amax_v = v_absmax.contiguous()
     pack(v, amax_v, out.v_packed[..., :s_pad], out.d_v, residual_energy)
-    d_q, d_v = apply_descale_guards(
-        out.d_q, out.d_k, out.d_v, softmax_scale_or_default(softmax_scale, HEAD_DIM), head_dim=HEAD_DIM
-    )
-    out.d_q.copy_(d_q)
-    out.d_v.copy_(d_v)
+    numerator = code_span_numerator(softmax_scale_or_default(softmax_scale, HEAD_DIM), HEAD_DIM)
+    guards(out.d_q, out.d_k, out.d_v, numerator)
     return out
 
 
 def load_kernels(dtype: torch.dtype, *, smooth_k: bool, energy: bool) -> tuple:
-    """The four compiled launches of ``prepare_into`` in order (quantize Q, quantize K, V's absmax, pack V), for
-    inputs of ``dtype``, K smoothing and residual energies (V residual repair) as given."""
+    """The five compiled launches of ``prepare_into`` in order (quantize Q, quantize K, V's absmax, pack V, the
+    descale guards), for inputs of ``dtype``, K smoothing and residual energies (V residual repair) as given."""
     kinds = (
         "quantize_per_block",
         "quantize_centered_per_block" if smooth_k else "quantize_per_block",
         "absmax_per_head",
         "pack_v_energy" if energy else "pack_v",
     )
-    return tuple(load_prep(kind, dtype) for kind in kinds)
+    return (*(load_prep(kind, dtype) for kind in kinds), load_prep("descale_guards"))
 
 
 def prepare(
@@ -192,7 +198,7 @@ def prepare(
     Byte-identical to ``preparation.prepare_reference`` with the same options, ``v_absmax`` and ``k_mean`` (the
     descale guards of ``quant.apply_descale_guards`` included; ``softmax_scale`` defaults to ``1 / sqrt(128)``),
     except that the repair tokens are ranked by residual energies summed in another order (the choice can differ
-    where two tokens nearly tie). With repair: the four launches of ``prepare_into``, the ranking's ops (none for
+    where two tokens nearly tie). With repair: the five launches of ``prepare_into``, the ranking's ops (none for
     the "energy" ranking), one launch choosing the tokens (``sm90.select.SelectRepairTokens``, the rule of
     ``repair.select_repair_tokens``) and one for the repair keys (``sm90.prep.RepairRows``).
     Arguments are checked by the caller (``validation``, ``support``): same device, dtype, batch and heads.
@@ -210,7 +216,7 @@ def prepare(
     if count:
         score = repair_score(energy, q, k, ranking=options.repair_ranking, softmax_scale=options.softmax_scale)
         tokens = torch.empty(batch, heads, count, dtype=torch.int64, device=q.device)
-        load_prep("select_repair_tokens", v.dtype)(score.contiguous(), tokens)
+        load_prep("select_repair_tokens")(score.contiguous(), tokens)
         repair_rows = load_prep("repair_rows", v.dtype)
         repair_rows(v, tokens, out.k8, out.d_k, out.v_packed, out.d_v, out.d_k_repair, out.tile_repair)
     return out

@@ -6,6 +6,7 @@ All tensors here are head-major, ``(B, H, S, D)``; the public entry points take 
 """
 
 import math
+import struct
 from typing import NamedTuple
 
 import torch
@@ -61,6 +62,18 @@ keep the row max's code within two codes of 119.65; past 2^26 it can reach 127, 
 row can end with no code above 0 (l = 0). 2^24 codes are 1.45e6 nats."""
 
 
+def code_span_quotient(softmax_scale: float, head_dim: int) -> float:
+    """``CODE_SPAN_LIMIT / per_descale`` in double, ``per_descale = tau * CODES_PER_NAT * D * 448^2`` the codes per
+    unit of ``d_Q d_K``: the code span bound's numerator before its rounding to FP32."""
+    return CODE_SPAN_LIMIT / (softmax_scale * CODES_PER_NAT * head_dim * FP8_MAX * FP8_MAX)
+
+
+def code_span_numerator(softmax_scale: float, head_dim: int) -> float:
+    """``code_span_quotient`` rounded once to FP32 (RNE), as the Python float of that FP32 value: the number that
+    ``limit_code_span``'s product multiplies by, and the guard kernel's argument (``sm90.guards``)."""
+    return struct.unpack("f", struct.pack("f", code_span_quotient(softmax_scale, head_dim)))[0]
+
+
 def limit_code_span(d_q: torch.Tensor, d_k: torch.Tensor, softmax_scale: float, head_dim: int) -> torch.Tensor:
     """``d_q`` as the codes use it: lowered, per query block, where a score could lie more than
     ``CODE_SPAN_LIMIT`` codes from 0, so that it cannot; ``d_q`` itself (bitwise) everywhere else.
@@ -69,10 +82,17 @@ def limit_code_span(d_q: torch.Tensor, d_k: torch.Tensor, softmax_scale: float, 
     uses each head's largest key-block descale. Only d_Q sets ``s`` (the output is ``d_V acc / l``), so lowering
     it scales the scores down, a higher softmax temperature. With ``tau = 1 / sqrt(128)`` that takes absmaxes
     whose product ``a_Q a_K`` exceeds 128,000 (logits that could reach 10^6 nats), where the softmax is one key's.
+
+    In FP32, rounding for rounding on CPU and CUDA (and in ``sm90.guards``): ``d_k_max = amax(d_k)`` (NaN if any is);
+    the bound ``reciprocal(d_k_max) * code_span_quotient(...)``, two roundings: an IEEE reciprocal, then one FP32
+    product with ``code_span_numerator`` (torch multiplies an FP32 tensor by a Python float in FP32, the float
+    rounded to FP32 first; written with the double so that it traces, ``struct`` does not); this is what the
+    former ``code_span_quotient / d_k_max`` computed, as torch divides a number by a tensor; then
+    ``torch.minimum``, which keeps a NaN of either side (on CUDA that NaN's bits: d_q's where d_q is NaN, else the
+    bound's).
     """
-    per_descale = softmax_scale * CODES_PER_NAT * head_dim * FP8_MAX * FP8_MAX
     d_k_max = d_k.amax(dim=-1, keepdim=True)
-    return torch.minimum(d_q, (CODE_SPAN_LIMIT / per_descale) / d_k_max)
+    return torch.minimum(d_q, d_k_max.reciprocal() * code_span_quotient(softmax_scale, head_dim))
 
 
 def poison_non_finite(d_q: torch.Tensor, d_k: torch.Tensor, d_v: torch.Tensor) -> torch.Tensor:

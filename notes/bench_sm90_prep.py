@@ -90,7 +90,7 @@ def main() -> None:
             x_bytes + 4 * 4 * BATCH * HEADS * MASS_SAMPLE_ROWS * SEQ_LEN,
         ),
         "repair: select_repair_tokens (kernel)": (
-            lambda: prep.load_prep("select_repair_tokens", v.dtype)(energy, select_out), energy.numel() * 4
+            lambda: prep.load_prep("select_repair_tokens")(energy, select_out), energy.numel() * 4
         ),
         "repair: select_repair_tokens (torch reference)": (
             lambda: select_repair_tokens(energy, count), energy.numel() * 4

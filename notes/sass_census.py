@@ -24,24 +24,25 @@ FORWARD = (
     "from openvc_kernels.ops import compile_attention; from openvc_kernels.sm90.config import ForwardConfig; "
     "compile_attention(ForwardConfig(plain_order={plain}, write_lse={lse}))"
 )
-PREP = "import torch; from openvc_kernels.prep_ops import compile_prep; compile_prep({kind!r}, torch.{dtype})"
+PREP = "import torch; from openvc_kernels.prep_ops import compile_prep; compile_prep({kind!r}, {dtype})"
 PREP_KINDS = (
     "quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy",
-    "select_repair_tokens", "repair_rows",
+    "select_repair_tokens", "repair_rows", "descale_guards",
 )
-SCORE_KINDS = ("select_repair_tokens",)
-"""``prep_ops.SCORE_KINDS``: one kernel for every input dtype, censused once."""
+DTYPE_FREE_KINDS = ("select_repair_tokens", "descale_guards")
+"""``prep_ops.PREP_KINDS`` and ``prep_ops.DTYPE_FREE_KINDS`` (compiled once, for no input dtype), copied: this script
+imports nothing of the package, each kernel compiles in a process of its own."""
 KERNELS = {
     "fwd_window": FORWARD.format(plain=False, lse=False),
     "fwd_plain": FORWARD.format(plain=True, lse=False),
     "fwd_window_lse": FORWARD.format(plain=False, lse=True),
     **{
-        f"prep_{kind}_{dtype}": PREP.format(kind=kind, dtype=dtype)
+        f"prep_{kind}_{dtype}": PREP.format(kind=kind, dtype=f"torch.{dtype}")
         for kind in PREP_KINDS
-        if kind not in SCORE_KINDS
+        if kind not in DTYPE_FREE_KINDS
         for dtype in ("bfloat16", "float16")
     },
-    **{f"prep_{kind}": PREP.format(kind=kind, dtype="bfloat16") for kind in SCORE_KINDS},
+    **{f"prep_{kind}": PREP.format(kind=kind, dtype=None) for kind in DTYPE_FREE_KINDS},
 }
 INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+((?:@!?U?P\w+\s+)?[A-Z0-9][.A-Z0-9]*[^;]*);")
 OPCODE = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z0-9][.A-Z0-9]*)")

@@ -48,3 +48,11 @@ def test_a_kernel_compared_with_itself_is_identical_and_a_change_is_named(tmp_pa
         f"{KERNEL}: {census[KERNEL]['instructions']} -> {census[KERNEL]['instructions']} instructions; "
         f"EXIT {census[KERNEL]['counts']['EXIT']} -> {census[KERNEL]['counts']['EXIT'] + 1}"
     ]
+
+
+def test_its_preparation_kernels_are_those_of_prep_ops():
+    from openvc_kernels import prep_ops
+
+    module = _module()
+    assert module.PREP_KINDS == prep_ops.PREP_KINDS and module.DTYPE_FREE_KINDS == prep_ops.DTYPE_FREE_KINDS
+    assert {"prep_descale_guards", "prep_repair_rows_float16"} <= set(module.KERNELS)

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from openvc_kernels.preparation import Prepared, PrepareOptions, prepare_reference, write_repair_rows
-from openvc_kernels.quant import BLOCK, quantize_per_head
+from openvc_kernels.quant import (
+    BLOCK, apply_descale_guards, code_span_numerator, quantize_per_block, quantize_per_head
+)
 from openvc_kernels.repair import attention_mass, residual_energy, select_repair_tokens, v_residual
 from openvc_kernels.sm90.layout import CHUNK, KEY_PERMUTATION
 
@@ -21,7 +23,12 @@ from openvc_kernels import prep_ops  # noqa: E402  (needs cutlass)
 from openvc_kernels.sm90 import prep, select  # noqa: E402
 
 KINDS = prep_ops.PREP_KINDS
+INPUT_KINDS = tuple(kind for kind in KINDS if kind not in prep_ops.DTYPE_FREE_KINDS)
 DTYPES = (torch.bfloat16, torch.float16)
+VARIANTS = [(kind, str(dtype)) for kind in INPUT_KINDS for dtype in DTYPES] + [
+    (kind, None) for kind in prep_ops.DTYPE_FREE_KINDS
+]
+"""(kind, input dtype): every compiled preparation kernel."""
 POISON = 0x7F
 """E4M3 NaN: any output byte a kernel forgets to write shows up."""
 
@@ -54,33 +61,38 @@ _PTX_SCRIPT = """
 import collections, json, re, sys, torch
 from openvc_kernels import prep_ops
 out = {}
-for kind in prep_kinds:
-    for dtype in (torch.bfloat16, torch.float16):
-        ptx = prep_ops.compile_prep(kind, dtype).artifacts.PTX
-        ops = collections.Counter(re.findall(r"^\\s+(?:@%p\\d+\\s+)?([a-z][a-z0-9_.:]*)", ptx, re.M))
-        # Warp/CTA synchronisation inside a conditional region (between a forward `@%p bra L` and `L:`), and loops.
-        open_targets, seen_labels, divergent_sync, backward = set(), set(), [], []
-        for line in ptx.splitlines():
-            line = line.strip()
-            label = re.match(r"^(\\$L__\\w+):", line)
-            if label:
-                open_targets.discard(label.group(1))
-                seen_labels.add(label.group(1))
-                continue
-            branch = re.match(r"^(@!?%p\\d+\\s+)?bra(?:\\.uni)?\\s+(\\$L__\\w+);", line)
-            if branch:
-                if branch.group(2) in seen_labels:
-                    backward.append(line)  # a loop's back edge: it opens no region
-                elif branch.group(1):
-                    open_targets.add(branch.group(2))
-            elif open_targets and re.match(r"^(shfl|bar|barrier|vote|match|redux|activemask)[.\\s]", line):
-                divergent_sync.append(line)
-        out[f"{kind}/{dtype}"] = {
-            "ops": ops,
-            "target": re.search(r"\\.target\\s+(\\S+)", ptx).group(1),
-            "divergent_sync": divergent_sync,
-            "backward_branches": backward,
-        }
+for kind, dtype in prep_variants:
+    ptx = prep_ops.compile_prep(kind, dtype and getattr(torch, dtype.removeprefix("torch."))).artifacts.PTX
+    ops = collections.Counter(re.findall(r"^\\s+(?:@%p\\d+\\s+)?([a-z][a-z0-9_.:]*)", ptx, re.M))
+    # Warp/CTA synchronisation inside a conditional region (between `@%p bra L` and a later `L:`), and loops
+    # (a branch back to `L:`), with any synchronisation inside them.
+    open_targets, seen_labels, divergent_sync, backward, sync_in_loop = set(), {}, [], [], []
+    lines = [line.strip() for line in ptx.splitlines()]
+    is_sync = lambda line: re.match(r"^(shfl|bar|barrier|vote|match|redux|activemask)[.\\s]", line)
+    for index, line in enumerate(lines):
+        label = re.match(r"^(\\$L__\\w+):", line)
+        if label:
+            open_targets.discard(label.group(1))
+            seen_labels[label.group(1)] = index
+            continue
+        branch = re.match(r"^(@!?%p\\d+\\s+)?bra(?:\\.uni)?\\s+(\\$L__\\w+);", line)
+        if branch:
+            if branch.group(2) in seen_labels:
+                backward.append(line)
+                sync_in_loop += [x for x in lines[seen_labels[branch.group(2)] : index] if is_sync(x)]
+            elif branch.group(1):
+                open_targets.add(branch.group(2))
+        elif open_targets and is_sync(line):
+            divergent_sync.append(line)
+    out[f"{kind}/{dtype}"] = {
+        "ops": ops,
+        "target": re.search(r"\\.target\\s+(\\S+)", ptx).group(1),
+        "divergent_sync": divergent_sync,
+        "backward_branches": backward,
+        "sync_in_loop": sync_in_loop,
+        # masked_fill(math.nan)'s float32 NaN, 0x7fc00000, stored as an immediate.
+        "stores_quiet_nan": bool(re.search(r"st\\.global\\.[bf]32\\s+\\[[^]]+\\],\\s*(2143289344|0f7FC00000);", ptx)),
+    }
 print(json.dumps(out))
 """
 
@@ -90,23 +102,20 @@ def ptx_ops(tmp_path_factory) -> dict:
     """Compile every preparation kernel for sm_90a in a fresh process (no GPU needed); PTX opcode counts."""
     dump = tmp_path_factory.mktemp("prep_ptx")
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump))
-    script = f"prep_kinds = {KINDS!r}\n" + _PTX_SCRIPT
+    script = f"prep_variants = {VARIANTS!r}\n" + _PTX_SCRIPT
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", INPUT_KINDS)
 def test_compiles_for_sm90a(ptx_ops, kind, dtype):
     compiled = ptx_ops[f"{kind}/{dtype}"]
     ops = compiled["ops"]
     assert compiled["target"] == "sm_90a"
     count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))
     assert count("ld.local") == 0 and count("st.local") == 0, "registers spilled"
-    if kind == "select_repair_tokens":
-        _check_select_ptx(compiled, count)
-        return
     # No shfl.sync / bar.sync under a divergent branch: make_warp_uniform (warp_idx) inside `if lane == 0`
     # put a full-mask shfl.sync there, which deadlocks against bar.sync 0 (the H200 hang, notes/prep.md).
     assert compiled["divergent_sync"] == [], compiled["divergent_sync"]
@@ -143,10 +152,14 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
         assert ops.get("shfl.sync.bfly.b32") == 12 and ops.get("st.global.b32") == 4 + 1
 
 
-def _check_select_ptx(compiled: dict, count) -> None:
+def test_select_repair_tokens_compile_for_sm90a(ptx_ops):
     """SelectRepairTokens (``sm90.select``): loops over the row, block barriers only where every thread is, one
     shared histogram atomic per radix pass, and int64 token stores."""
+    compiled = ptx_ops["select_repair_tokens/None"]
     ops = compiled["ops"]
+    count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))
+    assert compiled["target"] == "sm_90a"
+    assert count("ld.local") == 0 and count("st.local") == 0, "registers spilled"
     # One barrier after zeroing the histograms, one per radix pass, one before the warps' counts are read; none
     # inside a conditional region (a thread skipping it would hang the block).
     assert ops.get("bar.sync") == 2 + select.PASSES
@@ -185,6 +198,29 @@ def test_select_sass_has_no_local_memory():
     local = {op: n for op, n in counts.items() if op.split(".")[0] in ("LDL", "STL")}
     assert local == {}, f"local memory use: {local}"
     assert any(op.startswith("ATOMS") for op in counts), "the histograms' shared-memory atomics"
+
+
+def test_descale_guards_compile_for_sm90a(ptx_ops):
+    """The guards' one launch (``sm90.guards``): torch's rounding and NaN handling in the PTX, bounded loops."""
+    compiled = ptx_ops["descale_guards/None"]
+    ops = compiled["ops"]
+    count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))
+    assert compiled["target"] == "sm_90a"
+    assert compiled["divergent_sync"] == [] and compiled["sync_in_loop"] == [], compiled
+    # Three loops over a head's blocks (d_k, d_q's reads, d_q's writes); one bar.sync between reads and writes.
+    assert len(compiled["backward_branches"]) == 3 and ops.get("bar.sync") == 1
+    assert count("ld.local") == 0 and count("st.local") == 0, "registers spilled"
+    # The bound reciprocal(d_k_max) * numerator: one IEEE-rounded reciprocal (rcp.rn, or div.rn of 1), never an
+    # approximate one, then one product rounded on its own.
+    assert count("rcp.rn.f32") + count("div.rn.f32") == 1, ops
+    assert count("rcp.approx") == 0 and count("div.approx") == 0 and count("div.full") == 0
+    assert count("rcp.rn.ftz") == 0 and count("div.rn.ftz") == 0 and count("mul.rn.ftz") == 0
+    assert ops.get("mul.rn.f32") == 1
+    # torch.minimum's min.f32 (::min) with NaN selected by hand; no max.NaN/min.NaN, whose NaN is the canonical
+    # one instead of the operand's bits.
+    assert ops.get("min.f32") == 1 and count("min.NaN") == 0 and count("max.NaN") == 0
+    # d_k, d_q, d_q again (its writes), d_v: one 4-byte load each; d_q's store and d_v's poison 0x7fc00000.
+    assert ops.get("ld.global.b32") == 4 and ops.get("st.global.b32") == 2 and compiled["stores_quiet_nan"]
 
 
 # ---- GPU: byte-identical to the PyTorch reference ----
@@ -418,6 +454,84 @@ SELECT_CASES = [
 ]
 
 
+# ---- GPU: the descale guards' launch writes the bytes of quant.apply_descale_guards ----
+
+
+QUIET_NAN, NEGATIVE_NAN, SIGNALING_NAN = 0x7FC00000, -0x400000, 0x7F800001
+"""float32 bit patterns: torch's NaN, the same with the sign set (0xffc00000), and a signaling NaN."""
+NON_FINITE_CASES = (
+    ("d_q", float("inf")), ("d_q", QUIET_NAN), ("d_q", NEGATIVE_NAN), ("d_q", SIGNALING_NAN),
+    ("d_k", float("inf")), ("d_k", QUIET_NAN), ("d_k", -float("inf")), ("d_v", float("inf")), ("d_v", QUIET_NAN),
+)
+"""Head i of the flattened (B, H) gets case i % 14 (five of the 14 clean): one of its values replaced by this one
+(an int: those float32 bits)."""
+
+
+def _log_uniform(shape, low: float, high: float, device) -> torch.Tensor:
+    return torch.empty(shape, device=device).uniform_(low, high).exp()
+
+
+def _guard_descales(flavour: str, batch: int, heads: int, n_q: int, n_k: int, device="cuda"):
+    """d_q (B, H, n_q), d_k (B, H, n_k), d_v (B, H) and a softmax scale. ``ordinary``: quantization's descales of
+    absmaxes up to 22, where the code span limit never bites; ``huge``: d_q from absmaxes of 1e6 and more, where it
+    bites everywhere; ``mixed``: descales over 7 decades (both), one element of a finite head forced to bite.
+    Then heads get ``NON_FINITE_CASES``."""
+    # Natural logs of the descales' ranges (d_q, d_k), and the softmax scale.
+    q_range, k_range, scale = {
+        "ordinary": ((-9, -3), (-9, -3), 128**-0.5),
+        "huge": ((8, 12), (-3, 0), 1.0),
+        "mixed": ((-12, 4), (-12, 4), 0.09),
+    }[flavour]
+    d_q = _log_uniform((batch, heads, n_q), *q_range, device)
+    d_k = _log_uniform((batch, heads, n_k), *k_range, device)
+    if flavour == "mixed":
+        clean = len(NON_FINITE_CASES)  # the first head without a non-finite value
+        d_q.view(batch * heads, -1)[clean, 0], d_k.view(batch * heads, -1)[clean, 0] = 1e4, 1.0
+    d_v = _log_uniform((batch, heads), -9, -3, device)
+    descales = {"d_q": d_q, "d_k": d_k, "d_v": d_v}
+    for head in range(batch * heads):
+        if head % 14 < len(NON_FINITE_CASES):
+            name, value = NON_FINITE_CASES[head % 14]
+            row = descales[name].view(batch * heads, -1)[head]
+            index = int(torch.randint(row.numel(), ()))
+            if isinstance(value, int):
+                row.view(torch.int32)[index] = value
+            else:
+                row[index] = value
+    return d_q, d_k, d_v, scale
+
+
+def _guard_buffers(layout: str, d_q, d_k, d_v):
+    """Copies of the descales in the buffers the launch gets: ``prepared``, those of ``prep_ops.empty_prepared``
+    (contiguous (B, H, n)); ``offset``, contiguous views into one allocation, each starting one element after the
+    previous one ends (the first 4 bytes in): base addresses aligned to 4 bytes only."""
+    (batch, heads, n_q), n_k = d_q.shape, d_k.shape[2]
+    if layout == "prepared":
+        out = prep_ops.empty_prepared(batch, n_q * BLOCK, n_k * BLOCK, heads, "cuda")
+        buffers = (out.d_q, out.d_k, out.d_v)
+    else:
+        flat = torch.empty(d_q.numel() + d_k.numel() + d_v.numel() + 3, device="cuda")
+        offsets = [1, 1 + d_q.numel() + 1, 1 + d_q.numel() + 1 + d_k.numel() + 1]
+        buffers = tuple(flat[o : o + x.numel()].view(x.shape) for o, x in zip(offsets, (d_q, d_k, d_v)))
+    for buffer, x in zip(buffers, (d_q, d_k, d_v)):
+        buffer.copy_(x)
+    return buffers
+
+
+def _assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    same = got.view(torch.int32) == want.view(torch.int32)
+    if not same.all():
+        first = tuple(int(i) for i in (~same).nonzero()[0])
+        raise AssertionError(
+            f"{what} differs in {int((~same).sum())} of {same.numel()} values, first at {first}: "
+            f"{int(got.view(torch.int32)[first]) & 0xFFFFFFFF:#010x} vs "
+            f"{int(want.view(torch.int32)[first]) & 0xFFFFFFFF:#010x}"
+        )
+
+
+GUARD_SIZES = (1, 3, 257, 929)
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("flavour", ("energy", "ties", "special"))
@@ -427,7 +541,7 @@ def test_select_repair_tokens_matches_reference(seed, batch, heads, seq_len, cou
     of the poisoned output written."""
     score = _scores(flavour, (batch, heads, seq_len), "cuda")
     tokens = torch.full((batch, heads, count), -1, dtype=torch.int64, device="cuda")
-    prep_ops.load_prep("select_repair_tokens", torch.bfloat16)(score, tokens)
+    prep_ops.load_prep("select_repair_tokens")(score, tokens)
     expected = select_repair_tokens(score, count)
     assert torch.equal(expected, select_repair_tokens(score.cpu(), count).cuda()), f"reference (seed {seed})"
     if not torch.equal(tokens, expected):
@@ -436,3 +550,51 @@ def test_select_repair_tokens_matches_reference(seed, batch, heads, seq_len, cou
             f"head {bad}: {tokens[bad[0], bad[1]][:8].tolist()} vs {expected[bad[0], bad[1]][:8].tolist()} "
             f"(seed {seed})"
         )
+
+
+@pytest.mark.parametrize("layout", ("prepared", "offset"))
+@pytest.mark.parametrize("flavour", ("ordinary", "mixed", "huge"))
+@pytest.mark.parametrize("n_k", GUARD_SIZES)
+@pytest.mark.parametrize("n_q", GUARD_SIZES)
+@pytest.mark.parametrize("batch,heads", [(1, 40), (2, 7)])
+def test_descale_guards_are_apply_descale_guards(seed, batch, heads, n_q, n_k, flavour, layout):
+    """In place on the descale buffers, the bits of torch's guards on CUDA: the code span limit (biting or not),
+    and heads with inf or NaN (several bit patterns) in d_q, d_k or d_v; d_k untouched."""
+    d_q, d_k, d_v, scale = _guard_descales(flavour, batch, heads, n_q, n_k)
+    want_q, want_v = apply_descale_guards(d_q, d_k, d_v, scale, head_dim=128)
+    buffers = _guard_buffers(layout, d_q, d_k, d_v)
+    prep_ops.load_prep("descale_guards")(*buffers, code_span_numerator(scale, 128))
+    context = f"{flavour}, {layout}, seed {seed}"
+    _assert_same_bits(buffers[0], want_q, f"d_q ({context})")
+    _assert_same_bits(buffers[1], d_k, f"d_k ({context})")
+    _assert_same_bits(buffers[2], want_v, f"d_v ({context})")
+    # The cases are there: poisoned heads, and the limit biting (or not) on the finite ones.
+    poisoned = want_v.view(torch.int32) == QUIET_NAN
+    assert poisoned.flatten().tolist() == [i % 14 < len(NON_FINITE_CASES) for i in range(batch * heads)]
+    lowered = (want_q < d_q)[~poisoned]
+    if flavour == "ordinary":
+        assert not lowered.any()
+    elif flavour == "huge":
+        assert lowered.all()
+    else:
+        assert lowered.any()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("value", [None, float("inf"), float("nan")], ids=str)
+def test_prepare_with_the_code_span_limit_and_non_finite_heads(seed, value):
+    """prepare_into with its guards' launch, byte-identical to the reference where the code span limit bites (huge
+    queries in head 1) and, with ``value``, where a head of q, of k and of v holds an inf or a NaN."""
+    batch, seq_len, heads = 2, 1000, 5
+    q, k, v = (torch.randn(batch, seq_len, heads, 128, device="cuda") for _ in range(3))
+    q[:, :, 1] *= 1e5
+    if value is not None:
+        q[1, 17, 2, 5], k[0, 900, 3, 0], v[1, 3, 4, 127] = value, value, value
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    out = prep_ops.prepare_into(q, k, v, _poisoned(batch, seq_len, seq_len, heads, "cuda"), softmax_scale=0.09)
+    ref = _reference(q, k, v, PrepareOptions(softmax_scale=0.09))
+    _assert_identical(out, ref, f"{value}, seed {seed}")
+    assert (ref.d_q[:, 1] < quantize_per_block(q.transpose(1, 2))[1][:, 1]).all(), "the limit must bite in head 1"
+    assert int(ref.d_v.isnan().sum()) == (0 if value is None else 3)
+

@@ -1,0 +1,93 @@
+"""The descale guards of ``quant`` on the CPU: the code span limit's FP32 formula, spelled out (an IEEE reciprocal, then
+one product with an FP32 constant), is the former ``(CODE_SPAN_LIMIT / per_descale) / d_k_max`` bit for bit, and
+what the guards do with inf and NaN. tests/test_sm90_prep.py checks the fused guard kernel against these on the GPU."""
+
+import struct
+
+import pytest
+import torch
+
+from openvc_kernels.expcast import CODES_PER_NAT
+from openvc_kernels.quant import (
+    CODE_SPAN_LIMIT,
+    FP8_MAX,
+    apply_descale_guards,
+    code_span_numerator,
+    code_span_quotient,
+    limit_code_span,
+    poison_non_finite,
+)
+
+SCALES = (128**-0.5, 0.09, 1.0, 0.0173)
+
+
+def _former_limit(d_q, d_k, softmax_scale, head_dim):
+    """``limit_code_span`` as it was written before the formula was spelled out."""
+    per_descale = softmax_scale * CODES_PER_NAT * head_dim * FP8_MAX * FP8_MAX
+    return torch.minimum(d_q, (CODE_SPAN_LIMIT / per_descale) / d_k.amax(dim=-1, keepdim=True))
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32)
+
+
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("softmax_scale", SCALES)
+def test_the_spelled_out_limit_is_the_former_formula_bit_for_bit(fresh_seed, softmax_scale, head_dim):
+    # Descales over 17 decades: the limit bites on a part of the blocks and leaves the others alone.
+    d_q = torch.empty(3, 5, 257).uniform_(-30, 10).exp()
+    d_k = torch.empty(3, 5, 929).uniform_(-30, 10).exp()
+    got = limit_code_span(d_q, d_k, softmax_scale, head_dim)
+    assert torch.equal(_bits(got), _bits(_former_limit(d_q, d_k, softmax_scale, head_dim))), f"seed {fresh_seed}"
+    lowered = got < d_q
+    assert lowered.any() and not lowered.all(), f"seed {fresh_seed}"
+    assert torch.equal(got[~lowered], d_q[~lowered])
+
+
+@pytest.mark.parametrize("softmax_scale", SCALES)
+def test_the_numerator_is_the_double_quotient_rounded_once_to_fp32(softmax_scale):
+    exact = CODE_SPAN_LIMIT / (softmax_scale * CODES_PER_NAT * 128 * FP8_MAX * FP8_MAX)
+    assert code_span_quotient(softmax_scale, 128) == exact
+    numerator = code_span_numerator(softmax_scale, 128)
+    assert numerator == torch.tensor(exact, dtype=torch.float32).item()  # torch's own double -> float rounding
+    assert struct.unpack("f", struct.pack("f", numerator))[0] == numerator  # an FP32 value, converted exactly
+    assert abs(numerator - exact) <= abs(exact) * 2.0**-24
+
+
+@pytest.mark.parametrize("softmax_scale", SCALES)
+def test_the_bound_is_a_reciprocal_then_a_product(fresh_seed, softmax_scale):
+    """With d_q = inf the result is the bound itself: ``reciprocal(d_k_max) * code_span_numerator`` (the FP32
+    constant the kernel gets; torch rounds the double quotient to it before multiplying), what ``number / tensor``
+    computes in torch; one IEEE division of the same numbers differs in the last bit on some heads, so the choice
+    is visible (the kernel must make the same one)."""
+    d_k = torch.empty(4000, 1, 7).uniform_(-30, 10).exp()
+    d_k_max = d_k.amax(dim=-1, keepdim=True)
+    numerator = code_span_numerator(softmax_scale, 128)
+    bound = limit_code_span(torch.full((4000, 1, 3), float("inf")), d_k, softmax_scale, 128)
+    two_roundings = (d_k_max.reciprocal() * numerator).expand_as(bound)
+    assert torch.equal(_bits(bound), _bits(two_roundings))
+    assert torch.equal(_bits(bound), _bits((numerator / d_k_max).expand_as(bound)))
+    one_division = torch.full_like(d_k_max, numerator) / d_k_max
+    assert (d_k_max.reciprocal() * numerator != one_division).any(), f"seed {fresh_seed}"
+
+
+def test_non_finite_descales():
+    d_q, d_k, d_v = torch.full((2, 4, 3), 0.01), torch.full((2, 4, 5), 0.02), torch.full((2, 4), 0.03)
+    d_q[0, 0, 1] = float("nan")
+    d_k[0, 1, 4] = float("nan")
+    d_k[0, 2, 0] = float("inf")
+    d_v[1, 0] = float("inf")
+    d_q[1, 1, 2] = float("inf")
+    d_q[1, 2] = 1e9  # finite, lowered
+    new_q, new_v = apply_descale_guards(d_q, d_k, d_v, 128**-0.5, head_dim=128)
+    assert new_q[0, 0, 1].isnan() and torch.equal(new_q[0, 0, [0, 2]], d_q[0, 0, [0, 2]])
+    assert new_q[0, 1].isnan().all()  # NaN in d_k: the bound is NaN, torch.minimum keeps it
+    assert torch.equal(new_q[0, 2], torch.zeros(3))  # inf in d_k: the bound is 0
+    bound = torch.tensor(0.02).reciprocal() * code_span_numerator(128**-0.5, 128)  # 32: d_q above it is lowered
+    assert new_q[1, 1, 2] == bound and torch.equal(new_q[1, 1, :2], d_q[1, 1, :2])
+    assert (new_q[1, 2] == bound).all() and torch.equal(new_q[1, 3], d_q[1, 3])
+    poisoned = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    assert torch.equal(new_v.isnan(), poisoned)
+    assert (_bits(new_v[poisoned]) == 0x7FC00000).all()  # masked_fill's float32(nan), the kernel's poison
+    assert torch.equal(_bits(new_v[~poisoned]), _bits(d_v[~poisoned]))
+    assert torch.equal(_bits(poison_non_finite(d_q, d_k, d_v)), _bits(new_v))
