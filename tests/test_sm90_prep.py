@@ -552,6 +552,8 @@ def test_select_repair_tokens_matches_reference(seed, batch, heads, seq_len, cou
         )
 
 
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("layout", ("prepared", "offset"))
 @pytest.mark.parametrize("flavour", ("ordinary", "mixed", "huge"))
 @pytest.mark.parametrize("n_k", GUARD_SIZES)
