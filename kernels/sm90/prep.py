@@ -8,8 +8,8 @@ Inputs are diffusers' ``(B, S, H, 128)`` fp16/bf16, any strides whose head-dim s
 multiples of 8 elements (16 bytes); anything else is copied once by ``prep_ops.prepare``.
 
 Four launches, stream-ordered, no host synchronisation, capturable in a CUDA graph (then the descale guards,
-``quant.apply_descale_guards``, a few small PyTorch ops on the descales), and with V residual repair, after the
-ranking (``repair.choose_repair_tokens``), a fifth:
+``quant.apply_descale_guards``, one launch of ``sm90.guards``), and with V residual repair, after the tokens' choice
+(``repair.select_repair_tokens``, one launch of ``sm90.select``), a fifth:
 
   QuantizePerBlock (Q)  x (B, S, H, 128)  -> x8 (B, H, S_pad, 128) E4M3, d (B, H, n_blocks)
   QuantizePerBlock (K)  same, optionally minus the channel mean (B, H, 128)
