@@ -3,8 +3,8 @@
 Per head, the tokens of largest residual energy ``sum_c r_jc^2`` (optionally weighed by their ``attention_mass``)
 become ``round(rho * S)`` extra keys: a copy of the token's quantized key with its block's K descale, and the value
 row ``e4m3(r_j / d_V)`` in V's per-head scale (DESIGN.md section 2, item 8); exact ties go to the lower token
-index, and the chosen tokens are listed in ascending order (``select_repair_tokens``). The reference and both preparations
-take their repair keys from here. Tensors are head-major, ``(B, H, S, D)``.
+index, and the chosen tokens are listed in ascending order (``select_repair_tokens``). The reference and both
+preparations take their repair keys from here. Tensors are head-major, ``(B, H, S, D)``.
 """
 
 import torch

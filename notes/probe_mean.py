@@ -29,7 +29,8 @@ def main():
         for name, fn in ways(k).items():
             ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
             error = (fn().double().flatten() - exact).abs().max().item()
-            print(f"{seq}x{heads} {name:32s} {ms * 1e3:7.1f} us {k.numel() * 2 / ms / 1e9:6.2f} TB/s  max error {error:.1e}")
+            tb_per_s = k.numel() * 2 / ms / 1e9
+            print(f"{seq}x{heads} {name:32s} {ms * 1e3:7.1f} us {tb_per_s:6.2f} TB/s  max error {error:.1e}")
 
 
 if __name__ == "__main__":
