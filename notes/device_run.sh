@@ -3,7 +3,7 @@
 # "none": only stash and install; a stash call on a machine that is still warm must not start a long run):
 #   flavor    notes/kernel_check.py with the DSL's CUDA 13 flavor, then with its CUDA 12 flavor alone
 #   prep      tests/test_sm90_prep.py, then notes/bench_sm90_prep.py (each launch, smoothing and repair steps)
-#   tests     ${TESTS} (default tests/test_sm90_gpu.py)
+#   tests     ${TESTS} (default tests/test_sm90_gpu.py): paths or node ids, split on spaces (so no -k expressions)
 #   generate  examples/generate.py on the tiny Wan pipeline (stock attention, then Open-VC on the kernel)
 #   bench     examples/bench_attention.py ${BENCH_ARGS} (every peer, each timed twice: BENCH_TIMEOUT default 450 s)
 #   ncu       Nsight Compute on one forward-kernel launch at 32,760 x 12 (notes/kernel_once.py)
