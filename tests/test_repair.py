@@ -1,13 +1,13 @@
 """The repair keys of the preparation (``preparation.write_repair_rows``) hold exactly the reference's choices, packed as
 the kernel reads them (no GPU: on the PyTorch preparation)."""
 
+import math
+
 import pytest
 import torch
 
 from openvc_kernels.preparation import PrepareOptions, prepare_reference
 from openvc_kernels.quant import BLOCK, quantize_per_head
-import math
-
 from openvc_kernels.repair import (
     ORDER_KEY_NAN,
     choose_repair_tokens,
