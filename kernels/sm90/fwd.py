@@ -366,14 +366,10 @@ class ExpCastAttentionSm90:
 
     @cute.jit
     def piece_visits(self, tile: Int32, visit: Visit) -> cutlass.Boolean:
-        """Whether this CTA's steps visit key tile ``tile`` (``tile_at``'s inverse): the repair keys of its tokens are
-        this CTA's (``split.piece_visits``)."""
-        step = tile
-        if const_expr(not self.config.plain_order):
-            step = visit.start - tile
-            if step < 0:
-                step = step + visit.n_k
-        offset = step - visit.first
+        """Whether this CTA's steps visit key tile ``tile``: the repair keys of its tokens are this CTA's
+        (``split.piece_visits``). The step that visits it is ``tile_at(tile)``: both orders are their own inverse
+        (``i -> start - i`` mod n_k, and ``i -> i``)."""
+        offset = self.tile_at(tile, visit) - visit.first
         return (offset >= 0) & (offset < visit.n_real)
 
     @cute.jit
