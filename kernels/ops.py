@@ -122,7 +122,10 @@ def build_failure(
 
         prep_ops.load_kernels(dtype, smooth_k=smooth_k, energy=repair)
         if repair:
-            prep_ops.load_prep("select_repair_tokens")
+            # Both variants of the tokens' choice: which one runs depends on S (prep_ops.select_kind), and this
+            # answer holds for every S.
+            for kind in prep_ops.SELECT_KINDS:
+                prep_ops.load_prep(kind)
             prep_ops.load_prep("repair_rows", dtype)
         _kernel(ForwardConfig(plain_order=plain_order, write_lse=lse))
     except KernelUnavailableError as error:

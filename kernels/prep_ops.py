@@ -20,7 +20,7 @@ from .repair import repair_count, repair_score
 from .sm90.guards import DescaleGuards
 from .sm90.layout import HEAD_DIM, PV_N
 from .sm90.prep import AbsmaxPerHead, PackV, QuantizePerBlock, RepairRows
-from .sm90.select import SelectRepairTokens
+from .sm90.select import RESIDENT_MAX_TOKENS, SelectRepairTokens
 from .sm90.target import COMPILE_OPTIONS, row_major_fake
 
 INPUT_ALIGN = 16
@@ -29,14 +29,27 @@ TORCH_TO_CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Flo
 
 PREP_KINDS = (
     "quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy",
-    "select_repair_tokens", "repair_rows", "descale_guards",
+    "select_repair_tokens", "select_repair_tokens_resident", "repair_rows", "descale_guards",
 )
 """The compiled kernels: quantize Q or K, K minus its channel mean (smooth_k), V's absmax, packed V without and
-with the residual energies, for V residual repair the choice of its tokens and their repair keys, and the descale
-guards (``sm90.guards``)."""
-DTYPE_FREE_KINDS = ("select_repair_tokens", "descale_guards")
+with the residual energies, for V residual repair the choice of its tokens (reading the score row from global
+memory in every pass, or, for S <= ``RESIDENT_MAX_TOKENS``, once into shared memory: ``select_kind``) and their
+repair keys, and the descale guards (``sm90.guards``)."""
+DTYPE_FREE_KINDS = ("select_repair_tokens", "select_repair_tokens_resident", "descale_guards")
 """Kernels that never read the fp16/bf16 inputs (only FP32 scores or descales): compiled once, for no input dtype
 (None)."""
+
+
+SELECT_KINDS = ("select_repair_tokens", "select_repair_tokens_resident")
+"""The two variants of ``sm90.select.SelectRepairTokens``, the same tokens bit for bit: the row streamed from global
+memory (L2) in each of its six passes, or loaded once into shared memory (``resident``, for
+S <= ``RESIDENT_MAX_TOKENS`` only)."""
+
+
+def select_kind(seq_len: int) -> str:
+    """The variant of the repair tokens' choice that ``prepare`` launches for rows of ``seq_len`` scores: resident
+    (the keys in shared memory) where they fit, else streaming."""
+    return "select_repair_tokens_resident" if seq_len <= RESIDENT_MAX_TOKENS else "select_repair_tokens"
 
 
 def _input_fake(dtype: type[cutlass.Numeric]):
@@ -72,10 +85,11 @@ def compile_prep(kind: str, dtype: torch.dtype | None = None):
     if kind == "descale_guards":
         d_q, d_k = (row_major_fake(Float32, (b, h, cute.sym_int()), 4) for _ in range(2))
         return cute.compile(DescaleGuards(), d_q, d_k, per_head, Float32(1.0), stream, options=COMPILE_OPTIONS)
-    if kind == "select_repair_tokens":
+    if kind in SELECT_KINDS:
         score = row_major_fake(Float32, (b, h, cute.sym_int()), 4)
         tokens = row_major_fake(Int64, (b, h, cute.sym_int()), 8)
-        return cute.compile(SelectRepairTokens(), score, tokens, stream, options=COMPILE_OPTIONS)
+        select = SelectRepairTokens(resident=kind == "select_repair_tokens_resident")
+        return cute.compile(select, score, tokens, stream, options=COMPILE_OPTIONS)
     x = _input_fake(TORCH_TO_CUTLASS[dtype])
     if kind.startswith("quantize"):
         mean = row_major_fake(Float32, (b, h, HEAD_DIM), 16) if kind == "quantize_centered_per_block" else None
@@ -200,7 +214,8 @@ def prepare(
     except that the repair tokens are ranked by residual energies summed in another order (the choice can differ
     where two tokens nearly tie). With repair: the five launches of ``prepare_into``, the ranking's ops (none for
     the "energy" ranking), one launch choosing the tokens (``sm90.select.SelectRepairTokens``, the rule of
-    ``repair.select_repair_tokens``) and one for the repair keys (``sm90.prep.RepairRows``).
+    ``repair.select_repair_tokens``; its variant for S_k: ``select_kind``) and one for the repair keys
+    (``sm90.prep.RepairRows``).
     Arguments are checked by the caller (``validation``, ``support``): same device, dtype, batch and heads.
     """
     batch, seq_q, heads, _ = q.shape
@@ -216,7 +231,7 @@ def prepare(
     if count:
         score = repair_score(energy, q, k, ranking=options.repair_ranking, softmax_scale=options.softmax_scale)
         tokens = torch.empty(batch, heads, count, dtype=torch.int64, device=q.device)
-        load_prep("select_repair_tokens")(score.contiguous(), tokens)
+        load_prep(select_kind(score.shape[-1]))(score.contiguous(), tokens)
         repair_rows = load_prep("repair_rows", v.dtype)
         repair_rows(v, tokens, out.k8, out.d_k, out.v_packed, out.d_v, out.d_k_repair, out.tile_repair)
     return out

@@ -2,8 +2,9 @@
 
 Run on a Hopper GPU: ``python notes/bench_sm90_prep.py``. Bytes count reads plus writes. Besides the four
 launches: K smoothing (channel mean + centered K launch) and each step of V residual repair at rho = 0.005
-(PackV with energies, the attention-mass estimate, choosing the tokens: the kernel and PyTorch's reference,
-writing the repair keys).
+(PackV with energies, the attention-mass estimate, choosing the tokens: the kernel and PyTorch's reference, and
+both kernel variants on rows of Wan 480p's S = 32,760, which the resident one holds in shared memory; writing the
+repair keys).
 """
 
 import faulthandler
@@ -27,6 +28,8 @@ BATCH, SEQ_LEN, HEADS, HEAD_DIM = 1, 75_600, 40, 128
 ITERS = 20
 REPAIR_RATIO = 0.005
 TAU = HEAD_DIM**-0.5
+SHORT_LEN = 32_760
+"""Wan 480p's S: a row the resident variant of the tokens' choice takes (<= ``RESIDENT_MAX_TOKENS``)."""
 WATCHDOG_S = 120
 """A hung launch prints every thread's Python stack and exits instead of holding the GPU."""
 
@@ -63,6 +66,9 @@ def main() -> None:
     count = repair_count(SEQ_LEN, REPAIR_RATIO)
     tokens = choose_repair_tokens(energy.normal_(), count, q, k, ranking="energy", softmax_scale=TAU)
     select_out = torch.empty_like(tokens)
+    short = energy[..., :SHORT_LEN].contiguous()
+    short_out = torch.empty(BATCH, HEADS, repair_count(SHORT_LEN, REPAIR_RATIO), dtype=torch.int64, device="cuda")
+    assert prep.select_kind(SHORT_LEN) == "select_repair_tokens_resident"
     repaired = prep.prepare(q, k, v, PrepareOptions(repair_ratio=REPAIR_RATIO))
     kernels = {
         "copy (torch, one input)": (lambda: copy_dst.copy_(q), 2 * x_bytes),
@@ -91,6 +97,12 @@ def main() -> None:
         ),
         "repair: select_repair_tokens (kernel)": (
             lambda: prep.load_prep("select_repair_tokens")(energy, select_out), energy.numel() * 4
+        ),
+        "repair: select_repair_tokens (kernel, S = 32,760)": (
+            lambda: prep.load_prep("select_repair_tokens")(short, short_out), short.numel() * 4
+        ),
+        "repair: select_repair_tokens_resident (kernel, S = 32,760)": (
+            lambda: prep.load_prep("select_repair_tokens_resident")(short, short_out), short.numel() * 4
         ),
         "repair: select_repair_tokens (torch reference)": (
             lambda: select_repair_tokens(energy, count), energy.numel() * 4

@@ -14,7 +14,7 @@ from openvc_kernels.preparation import Prepared, PrepareOptions, prepare_referen
 from openvc_kernels.quant import (
     BLOCK, apply_descale_guards, code_span_numerator, num_blocks, quantize_per_block, quantize_per_head
 )
-from openvc_kernels.repair import attention_mass, residual_energy, select_repair_tokens, v_residual
+from openvc_kernels.repair import attention_mass, repair_count, residual_energy, select_repair_tokens, v_residual
 from openvc_kernels.sm90.layout import CHUNK, KEY_PERMUTATION, packed_position
 
 cutlass = pytest.importorskip("cutlass")
@@ -61,12 +61,14 @@ _PTX_SCRIPT = """
 import collections, json, re, sys, torch
 from openvc_kernels import prep_ops
 out = {}
+opcode = lambda line: re.match(r"^(?:@!?%p\\d+\\s+)?([a-z][a-z0-9_.:]*)", line)
 for kind, dtype in prep_variants:
-    ptx = prep_ops.compile_prep(kind, dtype and getattr(torch, dtype.removeprefix("torch."))).artifacts.PTX
+    compiled = prep_ops.compile_prep(kind, dtype and getattr(torch, dtype.removeprefix("torch.")))
+    ptx = compiled.artifacts.PTX
     ops = collections.Counter(re.findall(r"^\\s+(?:@%p\\d+\\s+)?([a-z][a-z0-9_.:]*)", ptx, re.M))
     # Warp/CTA synchronisation inside a conditional region (between `@%p bra L` and a later `L:`), and loops
-    # (a branch back to `L:`), with any synchronisation inside them.
-    open_targets, seen_labels, divergent_sync, backward, sync_in_loop = set(), {}, [], [], []
+    # (a branch back to `L:`), with any synchronisation inside them and the opcodes of each loop's body.
+    open_targets, seen_labels, divergent_sync, backward, sync_in_loop, loops = set(), {}, [], [], [], []
     lines = [line.strip() for line in ptx.splitlines()]
     is_sync = lambda line: re.match(r"^(shfl|bar|barrier|vote|match|redux|activemask)[.\\s]", line)
     for index, line in enumerate(lines):
@@ -79,13 +81,31 @@ for kind, dtype in prep_variants:
         if branch:
             if branch.group(2) in seen_labels:
                 backward.append(line)
-                sync_in_loop += [x for x in lines[seen_labels[branch.group(2)] : index] if is_sync(x)]
+                body = lines[seen_labels[branch.group(2)] : index]
+                sync_in_loop += [x for x in body if is_sync(x)]
+                loops.append(collections.Counter(m.group(1) for m in map(opcode, body) if m))
             elif branch.group(1):
                 open_targets.add(branch.group(2))
         elif open_targets and is_sync(line):
             divergent_sync.append(line)
+    # The dynamic shared memory of the launch: the i64 constant the host code stores into field 2 of
+    # cudaLaunchConfig_t {dim3 grid, dim3 block, size_t dynamicSmemBytes, stream, attrs, numAttrs} (per function:
+    # SSA names are local to one).
+    launch_smem = []
+    host = "\\n".join(x for x in str(compiled.ir_module).splitlines() if "kernels_binary" not in x)
+    for function in host.split("llvm.func ")[1:]:
+        constants = dict(re.findall(r"(%\\d+) = llvm\\.mlir\\.constant\\((\\d+) : i64\\)", function))
+        config = r"llvm\\.struct<\\(array<3 x i32>, array<3 x i32>, i64, ptr, ptr, i32\\)>"
+        fields = re.findall(r"(%\\d+) = llvm\\.getelementptr %\\d+\\[0, 2\\] : .*" + config, function)
+        for field in fields:
+            launch_smem += [
+                int(constants[value]) for value in re.findall(rf"llvm\\.store (%\\d+), {field} : i64", function)
+                if value in constants
+            ]
     out[f"{kind}/{dtype}"] = {
         "ops": ops,
+        "loops": loops,
+        "launch_smem": launch_smem,
         "target": re.search(r"\\.target\\s+(\\S+)", ptx).group(1),
         "divergent_sync": divergent_sync,
         "backward_branches": backward,
@@ -152,16 +172,18 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
         assert ops.get("shfl.sync.bfly.b32") == 12 and ops.get("st.global.b32") == 4 + 1
 
 
-def test_select_repair_tokens_compile_for_sm90a(ptx_ops):
-    """SelectRepairTokens (``sm90.select``): loops over the row, block barriers only where every thread is, one
-    shared histogram atomic per radix pass, and int64 token stores."""
-    compiled = ptx_ops["select_repair_tokens/None"]
+@pytest.mark.parametrize("kind", prep_ops.SELECT_KINDS)
+def test_select_repair_tokens_compile_for_sm90a(ptx_ops, kind):
+    """SelectRepairTokens (``sm90.select``), both variants: loops over the row, block barriers only where every
+    thread is, one shared histogram atomic per radix pass, int64 token stores, and where the keys come from: the
+    global row in every pass (streaming), or once, into shared memory (resident)."""
+    compiled = ptx_ops[f"{kind}/None"]
     ops = compiled["ops"]
     count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))
     assert compiled["target"] == "sm_90a"
     assert count("ld.local") == 0 and count("st.local") == 0, "registers spilled"
-    # One barrier after zeroing the histograms, one per radix pass, one before the warps' counts are read; none
-    # inside a conditional region (a thread skipping it would hang the block).
+    # One barrier after zeroing the histograms (and the resident copy of the keys), one per radix pass, one before
+    # the warps' counts are read; none inside a conditional region (a thread skipping it would hang the block).
     assert ops.get("bar.sync") == 2 + select.PASSES
     # Inside regions: only the warp-synchronous ops of the loops, whose trip count is the same on every lane of a
     # warp (match for the warp-aggregated histogram adds, ballots in the compaction); the digit search's
@@ -170,19 +192,90 @@ def test_select_repair_tokens_compile_for_sm90a(ptx_ops):
     # Per pass and token in flight: one match and one shared atomic (by the lowest lane of each digit's peers).
     assert ops.get("match.any.sync.b32") == select.PASSES * select.LOADS_IN_FLIGHT
     assert ops.get("atom.shared.cta.add.u32") == count("atom.shared") == select.PASSES * select.LOADS_IN_FLIGHT
-    # Loads in flight: each pass of the radix select and of the compaction loads LOADS_IN_FLIGHT keys a step.
-    assert ops.get("ld.global.b32") == (select.PASSES + 2) * select.LOADS_IN_FLIGHT
     assert count("atom.global") == 0 and count("red.") == 0
     assert ops.get("shfl.sync.down.b32") == 5 * select.PASSES  # the suffix sums over 32 lanes
     # Score bits read 4 bytes at a time, tokens written as int64, nothing else written to global memory.
     assert {op for op in ops if op.startswith("st.global")} == {"st.global.b64"}
     assert {op for op in ops if op.startswith("ld.global")} == {"ld.global.b32"}
+    # Shared memory besides the keys: the histograms (zeroed with one store a thread, 8 bins a lane read per pass
+    # as two 16-byte loads) and the warps' counts (two stores, two loads).
+    assert ops.get("ld.shared.v4.b32") == count("ld.shared.v") == 2 * select.PASSES
+    assert count("st.shared.v") == 0
+    scalar_shared_loads = count("ld.shared") - count("ld.shared.v")
+    passes = select.PASSES + 2  # the row's keys are read by four radix passes and two compaction passes
     assert compiled["backward_branches"], "the row is visited in loops"
+    loads_of = lambda loop, prefix: sum(n for op, n in loop.items() if op.startswith(prefix))
+    global_loops = [loop for loop in compiled["loops"] if loads_of(loop, "ld.global")]
+    shared_loops = [loop for loop in compiled["loops"] if loads_of(loop, "ld.shared")]
+    if kind == "select_repair_tokens":
+        # Streaming: each of the six passes loads LOADS_IN_FLIGHT keys a step from the global row.
+        assert ops.get("ld.global.b32") == passes * select.LOADS_IN_FLIGHT
+        assert [loads_of(loop, "ld.global") for loop in global_loops] == [select.LOADS_IN_FLIGHT] * passes
+        assert shared_loops == [] and scalar_shared_loads == 2 and ops.get("st.shared.b32") == 3
+        assert compiled["launch_smem"] == [select.SMEM_BYTES]
+        return
+    # Resident: the row is read from global memory in one loop only, LOADS_IN_FLIGHT loads a step, each key
+    # stored to shared memory; the six passes read the keys there, LOADS_IN_FLIGHT a step and nothing from global
+    # memory (a load may be narrower: the first pass needs only a key's top byte).
+    assert ops.get("ld.global.b32") == select.LOADS_IN_FLIGHT
+    (copy,) = global_loops
+    assert loads_of(copy, "ld.global") == copy.get("st.shared.b32") == select.LOADS_IN_FLIGHT
+    assert loads_of(copy, "ld.shared") == 0 and loads_of(copy, "atom") == 0 and loads_of(copy, "bar") == 0
+    assert ops.get("st.shared.b32") == 3 + select.LOADS_IN_FLIGHT
+    assert scalar_shared_loads == passes * select.LOADS_IN_FLIGHT + 2
+    assert [loads_of(loop, "ld.shared") for loop in shared_loops] == [select.LOADS_IN_FLIGHT] * passes
+    assert {op for op in ops if op.startswith("ld.shared")} <= {
+        "ld.shared.b8", "ld.shared.u8", "ld.shared.b16", "ld.shared.u16", "ld.shared.b32", "ld.shared.v4.b32"
+    }
+    # The launch asks for the shared memory sized for RESIDENT_MAX_TOKENS keys (the compiled host code's
+    # cudaLaunchConfig_t), and it fits a Hopper block.
+    assert compiled["launch_smem"] == [select.RESIDENT_SMEM_BYTES] == [200_960]
 
 
-def test_select_sass_has_no_local_memory():
+def test_select_resident_shared_memory_budget():
+    """The resident variant's keys, histograms and counts fit Hopper's 227 KB per block (1 KB of it static) with
+    16 KB to spare; the streaming variant's 4,352 bytes."""
+    assert select.SMEM_BYTES == 4 * select.PASSES * select.BINS + 2 * 4 * select.WARPS == 4352
+    assert select.RESIDENT_SMEM_BYTES == select.SMEM_BYTES + 4 * select.RESIDENT_MAX_TOKENS == 200_960
+    assert select.SMEM_LIMIT_BYTES == 227 * 1024 and select.STATIC_SMEM_BYTES == 1024
+    assert select.SMEM_LIMIT_BYTES - select.STATIC_SMEM_BYTES - select.RESIDENT_SMEM_BYTES >= 16 * 1024
+    assert select.RESIDENT_MAX_TOKENS >= 32_760, "Wan 480p's S"
+
+
+def test_prepare_picks_the_select_variant_by_sequence_length(monkeypatch):
+    """Resident up to RESIDENT_MAX_TOKENS (its keys fit shared memory), streaming above; ``prepare`` launches
+    ``select_kind`` of the score row's length, and ``build_failure`` loads both variants."""
+    import inspect
+
+    from openvc_kernels import ops
+
+    limit = select.RESIDENT_MAX_TOKENS
+    for seq_len in (1, 37, 32_760, limit - 1, limit):
+        assert prep_ops.select_kind(seq_len) == "select_repair_tokens_resident", seq_len
+    for seq_len in (limit + 1, 73_397, 75_600, 118_800):
+        assert prep_ops.select_kind(seq_len) == "select_repair_tokens", seq_len
+    assert prep_ops.SELECT_KINDS == ("select_repair_tokens", "select_repair_tokens_resident")
+    assert set(prep_ops.SELECT_KINDS) <= set(prep_ops.DTYPE_FREE_KINDS) <= set(prep_ops.PREP_KINDS)
+    # prepare itself needs CUDA: its source launches select_kind of the score's length, and no variant by name.
+    source = inspect.getsource(prep_ops.prepare)
+    assert "load_prep(select_kind(score.shape[-1]))(" in source and "select_repair_tokens\"" not in source
+    loaded = []
+    monkeypatch.setattr(prep_ops, "load_kernels", lambda *args, **kwargs: None)
+    monkeypatch.setattr(prep_ops, "load_prep", lambda kind, dtype=None: loaded.append((kind, dtype)))
+    monkeypatch.setattr(ops, "_kernel", lambda config: None)
+    ops.build_failure.cache_clear()
+    try:
+        assert ops.build_failure(torch.bfloat16, plain_order=False, smooth_k=False, repair=True) is None
+    finally:
+        ops.build_failure.cache_clear()
+    assert loaded == [(kind, None) for kind in prep_ops.SELECT_KINDS] + [("repair_rows", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("kind", prep_ops.SELECT_KINDS)
+def test_select_sass_has_no_local_memory(kind):
     """ptxas spills show only in SASS (PTX has no spill code): SelectRepairTokens runs in registers and shared
-    memory, at 1024 threads per block (64 registers a thread at most)."""
+    memory, at 1024 threads per block (64 registers a thread at most), in both variants; the resident variant
+    loads the row from global memory in one place only."""
     import importlib.util
     from pathlib import Path
 
@@ -191,13 +284,23 @@ def test_select_sass_has_no_local_memory():
     census = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(census)
     try:
-        counts = census.compile_one("prep_select_repair_tokens")["counts"]
+        counts = census.compile_one(f"prep_{kind}")["counts"]
     except subprocess.CalledProcessError as error:
         pytest.skip(f"SASS dump failed (needs nvdisasm: pip install nvidia-cuda-nvdisasm): {error}")
     assert counts.get("EXIT", 0) >= 1
     local = {op: n for op, n in counts.items() if op.split(".")[0] in ("LDL", "STL")}
     assert local == {}, f"local memory use: {local}"
     assert any(op.startswith("ATOMS") for op in counts), "the histograms' shared-memory atomics"
+    global_loads = sum(n for op, n in counts.items() if op.split(".")[0] == "LDG")
+    shared_loads = sum(n for op, n in counts.items() if op.split(".")[0] == "LDS")
+    passes = select.PASSES + 2
+    # Besides the keys: two 16-byte histogram loads per pass and the warps' two counts.
+    if kind == "select_repair_tokens_resident":
+        assert global_loads == select.LOADS_IN_FLIGHT, counts
+        assert shared_loads == passes * select.LOADS_IN_FLIGHT + 2 * select.PASSES + 2, counts
+    else:
+        assert global_loads == passes * select.LOADS_IN_FLIGHT, counts
+        assert shared_loads == 2 * select.PASSES + 2, counts
 
 
 def test_descale_guards_compile_for_sm90a(ptx_ops):
@@ -445,7 +548,9 @@ def _scores(kind: str, shape, device) -> torch.Tensor:
     return values[torch.randint(len(values), shape, device=device)]
 
 
-SELECT_LENGTHS = (1, 37, 1000, 4099, 32760, 118800)
+SELECT_LENGTHS = (1, 37, 1000, 4099, 32760, select.RESIDENT_MAX_TOKENS, select.RESIDENT_MAX_TOKENS + 1, 118800)
+"""Besides the lengths of short and Wan rows, the longest row of the resident variant and the shortest of the
+streaming one alone (``prep_ops.select_kind``'s switch)."""
 SELECT_CASES = [
     (batch, heads, seq_len, count)
     for seq_len in SELECT_LENGTHS
@@ -538,18 +643,54 @@ GUARD_SIZES = (1, 3, 257, 929)
 @pytest.mark.parametrize("batch,heads,seq_len,count", SELECT_CASES, ids=str)
 def test_select_repair_tokens_matches_reference(seed, batch, heads, seq_len, count, flavour):
     """SelectRepairTokens writes exactly ``repair.select_repair_tokens``: the same tokens, ascending, every entry
-    of the poisoned output written."""
+    of the poisoned output written. Both variants where the row fits shared memory (S <= RESIDENT_MAX_TOKENS),
+    the streaming one everywhere."""
     score = _scores(flavour, (batch, heads, seq_len), "cuda")
-    tokens = torch.full((batch, heads, count), -1, dtype=torch.int64, device="cuda")
-    prep_ops.load_prep("select_repair_tokens")(score, tokens)
     expected = select_repair_tokens(score, count)
     assert torch.equal(expected, select_repair_tokens(score.cpu(), count).cuda()), f"reference (seed {seed})"
-    if not torch.equal(tokens, expected):
-        bad = (tokens != expected).any(-1).nonzero()[0].tolist()
-        raise AssertionError(
-            f"head {bad}: {tokens[bad[0], bad[1]][:8].tolist()} vs {expected[bad[0], bad[1]][:8].tolist()} "
-            f"(seed {seed})"
-        )
+    fits = seq_len <= select.RESIDENT_MAX_TOKENS
+    kinds = [kind for kind in prep_ops.SELECT_KINDS if kind == "select_repair_tokens" or fits]
+    assert len(kinds) == 1 + fits and prep_ops.select_kind(seq_len) in kinds
+    for kind in kinds:
+        tokens = torch.full((batch, heads, count), -1, dtype=torch.int64, device="cuda")
+        prep_ops.load_prep(kind)(score, tokens)
+        if not torch.equal(tokens, expected):
+            bad = (tokens != expected).any(-1).nonzero()[0].tolist()
+            raise AssertionError(
+                f"{kind}, head {bad}: {tokens[bad[0], bad[1]][:8].tolist()} vs "
+                f"{expected[bad[0], bad[1]][:8].tolist()} (seed {seed})"
+            )
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("seq_len", [select.RESIDENT_MAX_TOKENS, select.RESIDENT_MAX_TOKENS + 1])
+def test_prepare_selects_with_the_variant_for_its_length(seed, monkeypatch, seq_len):
+    """``prepare`` with repair launches the resident variant up to RESIDENT_MAX_TOKENS keys and the streaming one
+    above, once, on the whole score row; its tokens are ``repair.select_repair_tokens`` of that row."""
+    batch, heads = 1, 3
+    q, k, v = (torch.randn(batch, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    launched, load = [], prep_ops.load_prep
+
+    def recording(kind, dtype=None):
+        compiled = load(kind, dtype)
+        if kind not in prep_ops.SELECT_KINDS:
+            return compiled
+
+        def run(score, tokens):
+            tokens.fill_(-1)
+            compiled(score, tokens)
+            launched.append((kind, score.clone(), tokens.clone()))
+
+        return run
+
+    monkeypatch.setattr(prep_ops, "load_prep", recording)
+    prep_ops.prepare(q, k, v, PrepareOptions(repair_ratio=0.005, repair_ranking="energy"))
+    ((kind, score, tokens),) = launched
+    resident = seq_len <= select.RESIDENT_MAX_TOKENS
+    assert kind == ("select_repair_tokens_resident" if resident else "select_repair_tokens")
+    assert score.shape == (batch, heads, seq_len) and tokens.shape[-1] == repair_count(seq_len, 0.005)
+    assert torch.equal(tokens, select_repair_tokens(score, tokens.shape[-1])), f"{kind} (seed {seed})"
 
 
 @pytest.mark.gpu

@@ -2,24 +2,33 @@
 order, bit for bit ``repair.select_repair_tokens``, in one launch (``torch.topk`` takes about 25). Device code only:
 ``prep_ops`` compiles the kernel and runs it on torch tensors.
 
-  SelectRepairTokens   score (B, H, S) fp32, contiguous -> tokens (B, H, count) int64, ascending
+  SelectRepairTokens()               score (B, H, S) fp32, contiguous -> tokens (B, H, count) int64, ascending
+  SelectRepairTokens(resident=True)  the same, S <= RESIDENT_MAX_TOKENS: the keys held in shared memory
 
-Grid (H, B): one CTA of 1024 threads (32 warps) per head. The score row is read six times (four radix passes, two
-compaction passes); after the first read it comes from L2 (40 heads of 120,000 tokens: 19 MB).
+Grid (H, B): one CTA of 1024 threads (32 warps) per head. Six passes read the row's keys (four radix passes, two
+compaction passes), from where the variant keeps them; nothing else differs (one algorithm, ``_load_keys`` reads
+from either place, bit for bit the same tokens). Streaming (the default): every pass reads the score row from
+global memory, after the first read from L2 (40 heads of 120,000 tokens: 19 MB), and computes the keys as it
+reads. Resident: before the passes the block reads the row once (thread t: tokens ``base + 1024 u + t``,
+``LOADS_IN_FLIGHT`` loads in flight) and stores its keys in shared memory, key i at word i (192 KB of dynamic
+shared memory at ``RESIDENT_MAX_TOKENS`` = 49,152, after the histograms and counts: ``RESIDENT_SMEM_BYTES``);
+the passes read them there, each warp 32 consecutive words at a time (no bank conflicts). A longer row does not
+fit (``prep_ops.select_kind`` launches the streaming variant for it; the resident one would read and write past
+its shared memory).
 
 1. Keys. Each score's bits become ``repair.order_key``'s unsigned key: a non-negative float's bits with the sign
    bit set, a negative one's bits inverted (keys order as the numbers do), -0.0 the key of +0.0, every NaN
    0xFFFFFFFF (above +inf's 0xFF800000).
 2. Radix select of T, the count-th largest key: ``PASSES`` passes over ``DIGIT_BITS``-bit digits, most significant
-   first. Pass p histograms (shared memory, ``BINS`` bins, one histogram per pass, all zeroed at the start) digit p
-   of the keys whose higher digits are T's found so far. The block strides over the row, thread t taking tokens
-   ``base + 1024 u + t``, u < ``LOADS_IN_FLIGHT`` (all loaded before the first is used); the lanes of a warp that
-   share a digit (``match.any.sync``) add once, their count (contended bins: a narrow range of energies shares
-   its top digit). After a barrier every warp reads the whole histogram and finds the same digit (no broadcast,
-   and the next pass, on its own histogram, needs no barrier first): lane l owns bins ``8 l .. 8 l + 7``, a
-   suffix sum over lanes (shuffles down) counts the keys in higher bins, and the lane whose bin holds the
-   ``need``-th key from the top reports the digit and what is still needed (warp reductions). After the last
-   pass: T, and ``take_equal`` = how many keys equal to T are taken (the lowest-index ones); the
+   first. Pass p histograms (shared memory, ``BINS`` bins, one histogram per pass, all zeroed at the start, one barrier
+   after the zeroing and the resident variant's copy) digit p of the keys whose higher digits are T's found so far. The
+   block strides over the row, thread t taking tokens ``base + 1024 u + t``, u < ``LOADS_IN_FLIGHT`` (all loaded before
+   the first is used); the lanes of a warp that share a digit (``match.any.sync``) add once, their count (contended
+   bins: a narrow range of energies shares its top digit). After a barrier every warp reads the whole histogram and
+   finds the same digit (no broadcast, and the next pass, on its own histogram, needs no barrier first): lane l owns
+   bins ``8 l .. 8 l + 7``, a suffix sum over lanes (shuffles down) counts the keys in higher bins, and the lane whose
+   bin holds the ``need``-th key from the top reports the digit and what is still needed (warp reductions). After the
+   last pass: T, and ``take_equal`` = how many keys equal to T are taken (the lowest-index ones); the
    ``count - take_equal`` keys above T are all taken.
 3. Compaction in index order, deterministic: warp w owns tokens ``[w seg, (w + 1) seg)``, ``seg`` a multiple of
    ``WARP_STEP``: 32 consecutive tokens at a time (one per lane), ``LOADS_IN_FLIGHT`` times per loop step. Pass 1
@@ -60,7 +69,27 @@ NAN_KEY = 0xFFFFFFFF
 POSITIVE_INF_BITS = 0x7F800000
 MAGNITUDE_MASK = 0x7FFFFFFF
 
+RESIDENT_MAX_TOKENS = 49_152
+"""The longest row the resident variant takes: its keys, 4 bytes each (192 KB), after the histograms and per-warp
+counts, within what a block may have (``SMEM_LIMIT_BYTES``) with 30,464 bytes to spare. ``prep_ops.select_kind``
+picks the resident variant up to here, the streaming one above."""
+HIST_BYTES = PASSES * BINS * 4
+COUNTS_BYTES = 2 * WARPS * 4
+"""Shared memory of both variants: the histograms (int32), then the per-warp counts above and equal to T."""
+SMEM_BYTES = HIST_BYTES + COUNTS_BYTES
+RESIDENT_SMEM_BYTES = SMEM_BYTES + 4 * RESIDENT_MAX_TOKENS
+"""The dynamic shared memory a launch requests: 4,352 bytes streaming, 200,960 resident (the keys after the counts,
+at a 16-byte aligned offset). No size is passed: the DSL sizes each launch by the kernel's ``SmemAllocator``
+allocations (a compile-time constant; the shapes are symbolic) and opts every kernel in to the device's largest
+dynamic shared memory (``cudaFuncSetAttribute`` when the kernel is loaded)."""
+SMEM_LIMIT_BYTES = 227 * 1024
+"""Hopper's shared memory per block (opt-in), static included: ptxas gives these kernels 1 KB of static shared
+memory (``STATIC_SMEM_BYTES``, reserved on sm_90), so the DSL's opt-in allows 226 KB dynamic."""
+STATIC_SMEM_BYTES = 1024
+
 assert THREADS == PASSES * BINS, "one thread zeroes one histogram bin"
+assert SMEM_BYTES % 16 == 0, "the keys start 16-byte aligned, right after the counts"
+assert STATIC_SMEM_BYTES + RESIDENT_SMEM_BYTES <= SMEM_LIMIT_BYTES - 16 * 1024, "room to spare"
 
 
 def _select(cond, if_value, else_value):
@@ -77,17 +106,16 @@ def _order_key(bits: Uint32) -> Uint32:
 
 
 @cute.jit
-def _key_at(row: cute.Tensor, token: Int32, seq_len: Int32) -> Uint32:
-    """The key of ``token`` of ``row`` (S,) uint32 (the score bits), token clamped to S - 1: every lane loads."""
-    return _order_key(row[cutlass.min(token, seq_len - 1)])
-
-
-@cute.jit
-def _load_keys(row: cute.Tensor, first: Int32, stride: int, seq_len: Int32) -> cute.Tensor:
-    """The keys of tokens ``first + stride * u``, u < ``LOADS_IN_FLIGHT``, in registers (all loads issued first)."""
+def _load_keys(keys_of: cute.Tensor, first: Int32, stride: int, seq_len: Int32, bits: cutlass.Constexpr[bool]):
+    """The keys of tokens ``first + stride * u``, u < ``LOADS_IN_FLIGHT``, in registers (all loads issued first),
+    each token clamped to S - 1 (every lane loads). ``keys_of`` (S,) uint32 holds the score bits (``bits``: the
+    global row, each key computed here) or the keys themselves (the shared-memory copy of the resident variant)."""
     keys = cute.make_rmem_tensor(LOADS_IN_FLIGHT, Uint32)
     for u in cutlass.range_constexpr(LOADS_IN_FLIGHT):
-        keys[u] = _key_at(row, first + stride * u, seq_len)
+        value = keys_of[cutlass.min(first + stride * u, seq_len - 1)]
+        if cutlass.const_expr(bits):
+            value = _order_key(value)
+        keys[u] = value
     return keys
 
 
@@ -99,7 +127,11 @@ def _lane_count(mask) -> Int32:
 
 class SelectRepairTokens:
     """``repair.select_repair_tokens(score, count)``: per head the ``count`` tokens of largest ``order_key``, ties
-    to the lower index, ascending. Grid (H, B), 1024 threads."""
+    to the lower index, ascending. Grid (H, B), 1024 threads. ``resident``: the row's keys are read from global
+    memory once, into shared memory, and every pass reads them there (S <= ``RESIDENT_MAX_TOKENS``)."""
+
+    def __init__(self, resident: bool = False):
+        self.resident = resident
 
     @cute.jit
     def __call__(self, mScore: cute.Tensor, mTokens: cute.Tensor, stream: cuda.CUstream):
@@ -125,6 +157,18 @@ class SelectRepairTokens:
         seq_len = mBits.shape[2]
         count = mTokens.shape[2]
         hist[tidx] = Int32(0)
+        # Where every pass reads the keys: the score row (bits, each key computed as it is read), or its keys in
+        # shared memory, loaded here as the passes load them (thread t: tokens base + 1024 u + t).
+        keys_of, bits = row, True
+        if cutlass.const_expr(self.resident):
+            keys_of = smem.allocate_tensor(Uint32, cute.make_layout(RESIDENT_MAX_TOKENS), byte_alignment=16)
+            bits = False
+            for base in cutlass.range(0, seq_len, THREADS * LOADS_IN_FLIGHT):
+                keys = _load_keys(row, base + tidx, THREADS, seq_len, True)
+                for u in cutlass.range_constexpr(LOADS_IN_FLIGHT):
+                    token = base + u * THREADS + tidx
+                    if token < seq_len:
+                        keys_of[token] = keys[u]
         cute.arch.barrier()
 
         # ---- 2. radix select: T = prefix after the last pass, need = take_equal ----
@@ -134,7 +178,7 @@ class SelectRepairTokens:
             shift = 32 - DIGIT_BITS * (p + 1)
             high_mask = (0xFFFFFFFF << (shift + DIGIT_BITS)) & 0xFFFFFFFF  # the digits found so far
             for base in cutlass.range(0, seq_len, THREADS * LOADS_IN_FLIGHT):
-                keys = _load_keys(row, base + tidx, THREADS, seq_len)
+                keys = _load_keys(keys_of, base + tidx, THREADS, seq_len, bits)
                 for u in cutlass.range_constexpr(LOADS_IN_FLIGHT):
                     token, key = base + u * THREADS + tidx, keys[u]
                     takes_part = (token < seq_len) & ((key & Uint32(high_mask)) == prefix)
@@ -174,7 +218,7 @@ class SelectRepairTokens:
         end = cutlass.min(first_token + segment, seq_len)
         above, equal = Int32(0), Int32(0)
         for base in cutlass.range(first_token, end, WARP_STEP):
-            keys = _load_keys(row, base + lane, 32, seq_len)
+            keys = _load_keys(keys_of, base + lane, 32, seq_len, bits)
             for u in cutlass.range_constexpr(LOADS_IN_FLIGHT):
                 token, key = base + 32 * u + lane, keys[u]
                 above += _lane_count(cute.arch.vote_ballot_sync((token < seq_len) & (key > threshold)))
@@ -191,7 +235,7 @@ class SelectRepairTokens:
         kept = above_before + cutlass.min(equal_before, take_equal)  # tokens kept before this warp's
         equal_seen = equal_before
         for base in cutlass.range(first_token, end, WARP_STEP):
-            keys = _load_keys(row, base + lane, 32, seq_len)
+            keys = _load_keys(keys_of, base + lane, 32, seq_len, bits)
             for u in cutlass.range_constexpr(LOADS_IN_FLIGHT):
                 token, key = base + 32 * u + lane, keys[u]
                 is_above = (token < seq_len) & (key > threshold)
