@@ -168,8 +168,16 @@ def prepare_into(
     the descale guards in place on ``out.d_q`` and ``out.d_v`` (``sm90.guards``); nothing waits on the host, so a
     call can be captured in a CUDA graph.
     """
-    mean_k = smoothing_mean(k, k_mean).contiguous() if smooth_k else None  # the reference's reduction
+    mean_k = smoothing_mean(k, k_mean).contiguous() if smooth_k else None  # the reference's, on the same layout
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    _launch_into(q, k, v, out, mean_k, residual_energy, softmax_scale, v_absmax)
+    return out
+
+
+def _launch_into(q, k, v, out: Prepared, mean_k, residual_energy, softmax_scale, v_absmax) -> None:
+    """``prepare_into``'s launches, on inputs that ``_kernel_ready`` returned and the mean K smoothing subtracts
+    (None: no smoothing)."""
+    smooth_k = mean_k is not None
     s_pad = num_blocks(out.seqlen_k) * BLOCK
     energy = residual_energy is not None
     quantize_q, quantize_k, absmax_v, pack, guards = load_kernels(q.dtype, smooth_k=smooth_k, energy=energy)
@@ -183,7 +191,6 @@ def prepare_into(
     pack(v, amax_v, out.v_packed[..., :s_pad], out.d_v, residual_energy)
     numerator = code_span_numerator(softmax_scale_or_default(softmax_scale, HEAD_DIM), HEAD_DIM)
     guards(out.d_q, out.d_k, out.d_v, numerator)
-    return out
 
 
 def load_kernels(dtype: torch.dtype, *, smooth_k: bool, energy: bool) -> tuple:
@@ -220,14 +227,12 @@ def prepare(
     """
     batch, seq_q, heads, _ = q.shape
     seq_k = k.shape[1]
+    mean_k = smoothing_mean(k, k_mean).contiguous() if options.smooth_k else None  # before any copy, as prepare_into
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     count = repair_count(seq_k, options.repair_ratio)
     out = empty_prepared(batch, seq_q, seq_k, heads, q.device, repair_keys=num_blocks(count) * BLOCK)
     energy = torch.empty(batch, heads, seq_k, dtype=torch.float32, device=q.device) if count else None
-    prepare_into(
-        q, k, v, out, smooth_k=options.smooth_k, residual_energy=energy, softmax_scale=options.softmax_scale,
-        v_absmax=v_absmax, k_mean=k_mean,
-    )
+    _launch_into(q, k, v, out, mean_k, energy, options.softmax_scale, v_absmax)
     if count:
         score = repair_score(energy, q, k, ranking=options.repair_ranking, softmax_scale=options.softmax_scale)
         tokens = torch.empty(batch, heads, count, dtype=torch.int64, device=q.device)

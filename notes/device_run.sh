@@ -9,7 +9,8 @@
 #   ncu       Nsight Compute on one forward-kernel launch at 32,760 x 12 (notes/kernel_once.py)
 #   pipeline  examples/bench_pipeline.py ${PIPELINE_ARGS}
 #   ulysses   torchrun examples/bench_ulysses.py on every GPU of the machine ${ULYSSES_ARGS}
-#   probe     notes/${PROBE} (default probe_variants.py), a same-process comparison of kernel variants
+#   probe     notes/${PROBE} (default probe_variants.py; several names, split on spaces, run in turn), each a
+#             same-process comparison of kernel variants
 #   ring      examples/bench_ring_shards.py ${RING_ARGS} (R simulated key shards merged by their lse, vs the unsplit call)
 #   inputs    examples/capture.py (tiny Wan on the GPU, ${CAPTURE_ARGS}) then bench_attention.py --inputs on its file
 # Wheels: notes/clean_wheels.sh writes what a fresh `pip install .` resolves (less torch and its CUDA libraries,
@@ -87,7 +88,10 @@ for stage in ${STAGES:-none}; do
         examples/bench_ulysses.py ${ULYSSES_ARGS:-} --json $OUT/bench_ulysses.json 2>&1 | tee $OUT/bench_ulysses.log \
         | tail -n 40 ;;
     probe)
-      timeout -k 5 ${PROBE_TIMEOUT:-200} python3 notes/${PROBE:-probe_variants.py} 2>&1 | tee $OUT/probe.log | tail -n 40 ;;
+      for probe in ${PROBE:-probe_variants.py}; do
+        echo "== probe $probe ($(date +%T))"
+        timeout -k 5 ${PROBE_TIMEOUT:-200} python3 notes/$probe 2>&1 | tee $OUT/probe_${probe%.py}.log | tail -n 40
+      done ;;
     inputs)
       timeout -k 5 ${INPUTS_TIMEOUT:-200} bash -c "python3 examples/capture.py --output $OUT/qkv.safetensors \
         ${CAPTURE_ARGS:---layers 0,1 --steps 0} && python3 examples/bench_attention.py --inputs $OUT/qkv.safetensors \

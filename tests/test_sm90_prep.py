@@ -352,14 +352,25 @@ def _poisoned(batch: int, seq_q: int, seq_k: int, heads: int, device, *, repair_
 def _assert_identical(out: Prepared, ref: Prepared, context: str) -> None:
     assert out.seqlen_k == ref.seqlen_k
     for name, got, want in zip(out._fields[:-1], out[:-1], ref[:-1]):
-        assert got.shape == want.shape and got.dtype == want.dtype, f"{name} {context}"
-        same = got.view(torch.uint8) == want.view(torch.uint8)
-        if not same.all():
-            first = tuple(int(i) for i in (~same).nonzero()[0])
-            raise AssertionError(
-                f"{name} differs in {int((~same).sum())} bytes, first at {first}: "
-                f"{got.view(torch.uint8)[first]} vs {want.view(torch.uint8)[first]} ({context})"
-            )
+        _assert_same_bits(got, want, f"{name} ({context})")
+
+
+INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """The same shape, dtype and bits, element by element (NaN payloads and -0.0 included)."""
+    assert got.shape == want.shape and got.dtype == want.dtype, f"{what}: {got.shape} {got.dtype}"
+    width = got.element_size()
+    got_bits, want_bits = got.view(INT_OF_WIDTH[width]), want.view(INT_OF_WIDTH[width])
+    same = got_bits == want_bits
+    if not same.all():
+        first = tuple(int(i) for i in (~same).nonzero()[0])
+        mask, digits = (1 << 8 * width) - 1, 2 + 2 * width
+        raise AssertionError(
+            f"{what} differs in {int((~same).sum())} of {same.numel()} values, first at {first}: "
+            f"{int(got_bits[first]) & mask:#0{digits}x} vs {int(want_bits[first]) & mask:#0{digits}x}"
+        )
 
 
 def _inputs(kind: str, shape, dtype, device) -> torch.Tensor:
@@ -621,17 +632,6 @@ def _guard_buffers(layout: str, d_q, d_k, d_v):
     for buffer, x in zip(buffers, (d_q, d_k, d_v)):
         buffer.copy_(x)
     return buffers
-
-
-def _assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    same = got.view(torch.int32) == want.view(torch.int32)
-    if not same.all():
-        first = tuple(int(i) for i in (~same).nonzero()[0])
-        raise AssertionError(
-            f"{what} differs in {int((~same).sum())} of {same.numel()} values, first at {first}: "
-            f"{int(got.view(torch.int32)[first]) & 0xFFFFFFFF:#010x} vs "
-            f"{int(want.view(torch.int32)[first]) & 0xFFFFFFFF:#010x}"
-        )
 
 
 GUARD_SIZES = (1, 3, 257, 929)
