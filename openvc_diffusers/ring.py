@@ -52,8 +52,8 @@ def shared_v_absmax(v: torch.Tensor, group) -> torch.Tensor:
 
 
 def shared_k_mean(k: torch.Tensor, group) -> torch.Tensor:
-    """K's per-head channel mean over every rank's keys: ``(B, H, D)`` fp32, summed in FP32 as ``quant.channel_mean``.
-    The count travels with the sums, so shards need not be equal."""
+    """K's per-head channel mean over every rank's keys: ``(B, H, D)`` fp32, summed in FP32 like ``quant.channel_mean``
+    (in another order). The count travels with the sums, so shards need not be equal."""
     sums = k.sum(dim=1, dtype=torch.float32)  # (B, H, D)
     count = sums.new_full((*sums.shape[:-1], 1), k.shape[1])
     totals = torch.cat([sums, count], dim=-1)

@@ -1,6 +1,7 @@
 """The descale guards of ``quant`` on the CPU: the code span limit's FP32 formula, spelled out (an IEEE reciprocal, then
 one product with an FP32 constant), is the former ``(CODE_SPAN_LIMIT / per_descale) / d_k_max`` bit for bit, and
-what the guards do with inf and NaN. tests/test_sm90_prep.py checks the fused guard kernel against these on the GPU."""
+what the guards do with inf and NaN. tests/test_sm90_prep.py checks the fused guard kernel against these on the GPU.
+And K smoothing's channel mean: every token counted once, whatever the length and layout."""
 
 import struct
 
@@ -11,7 +12,9 @@ from openvc_kernels.expcast import CODES_PER_NAT
 from openvc_kernels.quant import (
     CODE_SPAN_LIMIT,
     FP8_MAX,
+    MEAN_FOLD,
     apply_descale_guards,
+    channel_mean,
     code_span_numerator,
     code_span_quotient,
     limit_code_span,
@@ -91,3 +94,24 @@ def test_non_finite_descales():
     assert (_bits(new_v[poisoned]) == 0x7FC00000).all()  # masked_fill's float32(nan), the kernel's poison
     assert torch.equal(_bits(new_v[~poisoned]), _bits(d_v[~poisoned]))
     assert torch.equal(_bits(poison_non_finite(d_q, d_k, d_v)), _bits(new_v))
+
+
+@pytest.mark.parametrize("seq", [1, MEAN_FOLD - 1, MEAN_FOLD, MEAN_FOLD + 1, 129, 1026, 1027])
+@pytest.mark.parametrize("layout", ["contiguous", "k of fused qkv", "head-major"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_channel_mean_counts_every_token_once(fresh_seed, seq, layout, dtype):
+    """Small integers sum exactly in FP32, so folded or not the mean is the exact sum divided once by S; the
+    outliers in the first and last tokens (the fold's leftover, where S is no multiple of ``MEAN_FOLD``) would
+    show any token dropped or counted twice."""
+    batch, heads, dim = 2, 3, 16
+    qkv = torch.randint(-8, 9, (batch, seq, 3, heads, dim)).to(dtype)
+    qkv[:, 0, :, :, 0] = 1000.0
+    qkv[:, -1, :, :, 1] = -3000.0
+    k = {
+        "contiguous": qkv[:, :, 1].contiguous(),
+        "k of fused qkv": qkv[:, :, 1],  # token stride 3 H D: no fold
+        "head-major": qkv[:, :, 1].transpose(1, 2).contiguous().transpose(1, 2),
+    }[layout]
+    mean = channel_mean(k)
+    assert mean.shape == (batch, heads, dim) and mean.dtype == torch.float32
+    assert torch.equal(mean, k.double().sum(dim=1).float() / seq), f"seed {fresh_seed}"

@@ -186,10 +186,14 @@ def test_select_repair_tokens_compile_for_sm90a(ptx_ops, kind):
     # the warps' counts are read; none inside a conditional region (a thread skipping it would hang the block).
     assert ops.get("bar.sync") == 2 + select.PASSES
     # Inside regions: only the warp-synchronous ops of the loops, whose trip count is the same on every lane of a
-    # warp (match for the warp-aggregated histogram adds, ballots in the compaction); the digit search's
+    # warp (match for the warp-aggregated histogram adds, under a branch on a warp vote, so the same on all its
+    # lanes; ballots in the compaction); the digit search's
     # shuffles and reductions run outside any branch.
-    assert {line.split()[0] for line in compiled["divergent_sync"]} <= {"match.any.sync.b32", "vote.sync.ballot.b32"}
-    # Per pass and token in flight: one match and one shared atomic (by the lowest lane of each digit's peers).
+    warp_ops = {"match.any.sync.b32", "vote.sync.ballot.b32", "vote.sync.any.pred"}
+    assert {line.split()[0] for line in compiled["divergent_sync"]} <= warp_ops
+    # Per pass and token in flight: one vote (does any lane's key take part?), then, in the warps where one does,
+    # one match and one shared atomic (by the lowest lane of each digit's peers).
+    assert ops.get("vote.sync.any.pred") == select.PASSES * select.LOADS_IN_FLIGHT
     assert ops.get("match.any.sync.b32") == select.PASSES * select.LOADS_IN_FLIGHT
     assert ops.get("atom.shared.cta.add.u32") == count("atom.shared") == select.PASSES * select.LOADS_IN_FLIGHT
     assert count("atom.global") == 0 and count("red.") == 0

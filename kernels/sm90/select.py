@@ -24,7 +24,8 @@ its shared memory).
    after the zeroing and the resident variant's copy) digit p of the keys whose higher digits are T's found so far. The
    block strides over the row, thread t taking tokens ``base + 1024 u + t``, u < ``LOADS_IN_FLIGHT`` (all loaded before
    the first is used); the lanes of a warp that share a digit (``match.any.sync``) add once, their count (contended
-   bins: a narrow range of energies shares its top digit). After a barrier every warp reads the whole histogram and
+   bins: a narrow range of energies shares its top digit), and a warp none of whose keys is on the prefix (most
+   warps after the first pass) skips the match (``vote.any``, warp-uniform). After a barrier every warp reads the whole histogram and
    finds the same digit (no broadcast, and the next pass, on its own histogram, needs no barrier first): lane l owns
    bins ``8 l .. 8 l + 7``, a suffix sum over lanes (shuffles down) counts the keys in higher bins, and the lane whose
    bin holds the ``need``-th key from the top reports the digit and what is still needed (warp reductions). After the
@@ -182,10 +183,14 @@ class SelectRepairTokens:
                 for u in cutlass.range_constexpr(LOADS_IN_FLIGHT):
                     token, key = base + u * THREADS + tidx, keys[u]
                     takes_part = (token < seq_len) & ((key & Uint32(high_mask)) == prefix)
-                    digit = _select(takes_part, Int32((key >> Uint32(shift)) & Uint32(BINS - 1)), Int32(NO_DIGIT))
-                    peers = cute.arch.match_sync(cute.arch.FULL_MASK, digit)
-                    if ((peers & lower_lanes) == Uint32(0)) & (digit != NO_DIGIT):  # the lowest lane of its peers
-                        cute.arch.atomic_add(hist.iterator + (p * BINS + digit), _lane_count(peers), scope="cta")
+                    # After the first pass few keys are on the prefix: a warp with none skips the match.
+                    if cute.arch.vote_any_sync(takes_part):
+                        digit = _select(
+                            takes_part, Int32((key >> Uint32(shift)) & Uint32(BINS - 1)), Int32(NO_DIGIT)
+                        )
+                        peers = cute.arch.match_sync(cute.arch.FULL_MASK, digit)
+                        if ((peers & lower_lanes) == Uint32(0)) & (digit != NO_DIGIT):  # the lowest lane of its peers
+                            cute.arch.atomic_add(hist.iterator + (p * BINS + digit), _lane_count(peers), scope="cta")
             cute.arch.barrier()
 
             # Every warp: the digit whose bin holds the need-th key from the top, and what remains needed in it.
