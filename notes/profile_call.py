@@ -3,9 +3,12 @@
 Runs ``openvc_kernels.attention`` back to back at the bench shapes, with the API's defaults and with the
 processor's (``OpenVCConfig().kernel_options``), and prints per GPU operation of one call (in stream order) its
 median duration and the median idle gap before it; then the call's span and its host time (the calls enqueued
-after a synchronize, wall time per call).
+after a synchronize, wall time per call). At ``HOST_PROFILE_SHAPE`` also where that host time goes: cProfile's
+functions of most own time over the same calls.
 """
 
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -19,6 +22,8 @@ from openvc_kernels import attention
 CALLS = 12
 SHAPES = ((32760, 12), (73397, 7), (75600, 40), (118800, 24))
 OPTIONS = {"api": {}, "defaults": OpenVCConfig().kernel_options}
+HOST_PROFILE_SHAPE = (32760, 12)
+HOST_PROFILE_LINES = 22
 
 
 def host_ms(call, inputs) -> float:
@@ -70,7 +75,26 @@ def profile_call(seq: int, heads: int, name: str) -> None:
             outside += duration + gap
         print(f"  {duration:9.1f} us  gap before {gap:6.1f} us  {name_[:90]}")
     print(f"  outside the forward kernel: {outside:.1f} us")
+    if (seq, heads) == HOST_PROFILE_SHAPE:
+        host_profile(call, sets)
     sys.stdout.flush()
+
+
+def host_profile(call, sets) -> None:
+    """cProfile over CALLS calls enqueued after a synchronize: the functions of most own time, per call."""
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for i in range(CALLS):
+        call(*sets[i % 2])
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:HOST_PROFILE_LINES]
+    print("  host, per call: own us, cumulative us, calls, function")
+    for (file, line, function), (_, calls, own, cumulative, _) in rows:
+        where = f"{file.rsplit('/', 1)[-1]}:{line}" if line else file
+        print(f"  {own / CALLS * 1e6:8.1f} {cumulative / CALLS * 1e6:9.1f} {calls // CALLS:4d}  {function} ({where})")
 
 
 def main():
