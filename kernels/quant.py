@@ -146,28 +146,12 @@ def apply_descale_guards(
     return limit_code_span(d_q, d_k, softmax_scale, head_dim), poison_non_finite(d_q, d_k, d_v)
 
 
-MEAN_FOLD = 4
-"""K's mean adds ``MEAN_FOLD`` consecutive tokens' rows side by side: one reduction to (B, MEAN_FOLD H D) sums,
-then one over the fold. torch's reduction over the sequence is short of parallel work with few output columns
-(H D = 1,536 at Wan 480p's 12 heads); four times as many give it what a 40-head call has."""
-
-
 def channel_mean(k: torch.Tensor) -> torch.Tensor:
     """Each head's per-channel mean of ``(B, S, H, D)`` K over the sequence, summed in FP32: ``(B, H, D)``.
 
-    Reads K once (no FP32 copy): where its (S, H, D) dims are contiguous, tokens ``MEAN_FOLD j + i`` add up in
-    column block i of one reduction, the blocks are added, then the last ``S % MEAN_FOLD`` tokens; otherwise one
-    reduction over the sequence. The fused preparation subtracts this very tensor.
+    One reduction that reads K once (no FP32 copy); the fused preparation subtracts this very tensor.
     """
-    b, s, h, d = k.shape
-    whole = s - s % MEAN_FOLD
-    if whole == 0 or not k[0].is_contiguous():
-        return k.sum(dim=1, dtype=torch.float32) / s
-    rows = k[:, :whole].view(b, whole // MEAN_FOLD, MEAN_FOLD * h * d)
-    sums = rows.sum(dim=1, dtype=torch.float32).view(b, MEAN_FOLD, h, d).sum(dim=1)
-    if whole < s:
-        sums += k[:, whole:].sum(dim=1, dtype=torch.float32)
-    return sums / s
+    return k.transpose(1, 2).mean(dim=2, dtype=torch.float32)
 
 
 def smoothing_mean(k: torch.Tensor, k_mean: torch.Tensor | None = None) -> torch.Tensor:
