@@ -20,17 +20,17 @@ its shared memory).
    bit set, a negative one's bits inverted (keys order as the numbers do), -0.0 the key of +0.0, every NaN
    0xFFFFFFFF (above +inf's 0xFF800000).
 2. Radix select of T, the count-th largest key: ``PASSES`` passes over ``DIGIT_BITS``-bit digits, most significant
-   first. Pass p histograms (shared memory, ``BINS`` bins, one histogram per pass, all zeroed at the start, one barrier
-   after the zeroing and the resident variant's copy) digit p of the keys whose higher digits are T's found so far. The
-   block strides over the row, thread t taking tokens ``base + 1024 u + t``, u < ``LOADS_IN_FLIGHT`` (all loaded before
-   the first is used); the lanes of a warp that share a digit (``match.any.sync``) add once, their count (contended
-   bins: a narrow range of energies shares its top digit), and a warp none of whose keys is on the prefix (most
-   warps after the first pass) skips the match (``vote.any``, warp-uniform). After a barrier every warp reads the whole histogram and
-   finds the same digit (no broadcast, and the next pass, on its own histogram, needs no barrier first): lane l owns
-   bins ``8 l .. 8 l + 7``, a suffix sum over lanes (shuffles down) counts the keys in higher bins, and the lane whose
-   bin holds the ``need``-th key from the top reports the digit and what is still needed (warp reductions). After the
-   last pass: T, and ``take_equal`` = how many keys equal to T are taken (the lowest-index ones); the
-   ``count - take_equal`` keys above T are all taken.
+   first. Pass p histograms (shared memory, ``BINS`` bins, one histogram per pass, all zeroed at the start, one
+   barrier after the zeroing and the resident variant's copy) digit p of the keys whose higher digits are T's found
+   so far. The block strides over the row, thread t taking tokens ``base + 1024 u + t``, u < ``LOADS_IN_FLIGHT`` (all
+   loaded before the first is used); the lanes of a warp that share a digit (``match.any.sync``) add once, their
+   count (contended bins: a narrow range of energies shares its top digit), and a warp none of whose keys is on the
+   prefix (most warps after the first pass) skips the match (``vote.any``, warp-uniform). After a barrier every warp
+   reads the whole histogram and finds the same digit (no broadcast, and the next pass, on its own histogram, needs
+   no barrier first): lane l owns bins ``8 l .. 8 l + 7``, a suffix sum over lanes (shuffles down) counts the keys in
+   higher bins, and the lane whose bin holds the ``need``-th key from the top reports the digit and what is still
+   needed (warp reductions). After the last pass: T, and ``take_equal`` = how many keys equal to T are taken (the
+   lowest-index ones); the ``count - take_equal`` keys above T are all taken.
 3. Compaction in index order, deterministic: warp w owns tokens ``[w seg, (w + 1) seg)``, ``seg`` a multiple of
    ``WARP_STEP``: 32 consecutive tokens at a time (one per lane), ``LOADS_IN_FLIGHT`` times per loop step. Pass 1
    counts per warp the keys above T and the keys equal to T (ballot + popc); each warp's counts go to shared
