@@ -187,8 +187,7 @@ def test_select_repair_tokens_compile_for_sm90a(ptx_ops, kind):
     assert ops.get("bar.sync") == 2 + select.PASSES
     # Inside regions: only the warp-synchronous ops of the loops, whose trip count is the same on every lane of a
     # warp (match for the warp-aggregated histogram adds, under a branch on a warp vote, so the same on all its
-    # lanes; ballots in the compaction); the digit search's
-    # shuffles and reductions run outside any branch.
+    # lanes; ballots in the compaction); the digit search's shuffles and reductions run outside any branch.
     warp_ops = {"match.any.sync.b32", "vote.sync.ballot.b32", "vote.sync.any.pred"}
     assert {line.split()[0] for line in compiled["divergent_sync"]} <= warp_ops
     # Per pass and token in flight: one vote (does any lane's key take part?), then, in the warps where one does,
