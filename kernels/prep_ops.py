@@ -168,10 +168,16 @@ def prepare_into(
     the descale guards in place on ``out.d_q`` and ``out.d_v`` (``sm90.guards``); nothing waits on the host, so a
     call can be captured in a CUDA graph.
     """
-    mean_k = smoothing_mean(k, k_mean).contiguous() if smooth_k else None  # the reference's, on the same layout
-    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    q, k, v, mean_k = _ready_inputs(q, k, v, smooth_k, k_mean)
     _launch_into(q, k, v, out, mean_k, residual_energy, softmax_scale, v_absmax)
     return out
+
+
+def _ready_inputs(q, k, v, smooth_k: bool, k_mean):
+    """q, k, v as the kernels read them (``_kernel_ready``), and with ``smooth_k`` the mean K smoothing subtracts
+    (else None): the reference's reduction, on the caller's own layout of k, before any copy."""
+    mean_k = smoothing_mean(k, k_mean).contiguous() if smooth_k else None
+    return _kernel_ready(q), _kernel_ready(k), _kernel_ready(v), mean_k
 
 
 def _launch_into(q, k, v, out: Prepared, mean_k, residual_energy, softmax_scale, v_absmax) -> None:
@@ -227,8 +233,7 @@ def prepare(
     """
     batch, seq_q, heads, _ = q.shape
     seq_k = k.shape[1]
-    mean_k = smoothing_mean(k, k_mean).contiguous() if options.smooth_k else None  # before any copy, as prepare_into
-    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    q, k, v, mean_k = _ready_inputs(q, k, v, options.smooth_k, k_mean)
     count = repair_count(seq_k, options.repair_ratio)
     out = empty_prepared(batch, seq_q, seq_k, heads, q.device, repair_keys=num_blocks(count) * BLOCK)
     energy = torch.empty(batch, heads, seq_k, dtype=torch.float32, device=q.device) if count else None

@@ -33,14 +33,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32
 
+from .float_bits import EXPONENT_BITS, MAGNITUDE_BITS
 from .ptx import mul_rn
 
 THREADS = 128
 WARPS = THREADS // 32
-EXPONENT_BITS = 0x7F800000
-"""An FP32's exponent field; all ones for inf and NaN, and no finite value's bits reach it."""
-MAGNITUDE_BITS = 0x7FFFFFFF
-"""An FP32's bits without the sign: above ``EXPONENT_BITS`` exactly for NaN."""
 POISON_BITS = 0x7FC00000
 """The NaN ``poison_non_finite`` writes: ``masked_fill(math.nan)`` fills with float32(nan), the default quiet NaN."""
 

@@ -50,6 +50,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
+from ..repair import ORDER_KEY_NAN
+from .float_bits import EXPONENT_BITS, MAGNITUDE_BITS, SIGN_BIT
+
 THREADS = 1024
 WARPS = THREADS // 32
 DIGIT_BITS = 8
@@ -64,11 +67,6 @@ WARP_STEP = 32 * LOADS_IN_FLIGHT
 """Compaction: the tokens one warp covers per step; a warp's segment is a multiple of it."""
 NO_DIGIT = BINS
 """A lane's digit where its key does not take part in a pass (a key off the prefix, a token past S)."""
-SIGN_BIT = 0x80000000
-NAN_KEY = 0xFFFFFFFF
-"""``repair.ORDER_KEY_NAN``: every NaN's key."""
-POSITIVE_INF_BITS = 0x7F800000
-MAGNITUDE_MASK = 0x7FFFFFFF
 
 RESIDENT_MAX_TOKENS = 49_152
 """The longest row the resident variant takes: its keys, 4 bytes each (192 KB), after the histograms and per-warp
@@ -103,7 +101,7 @@ def _order_key(bits: Uint32) -> Uint32:
     """``repair.order_key`` of a float's bits."""
     # A negative number other than -0.0 (0x80000000): its bits, unsigned, above the sign bit alone.
     key = _select(bits > Uint32(SIGN_BIT), ~bits, bits | Uint32(SIGN_BIT))
-    return _select((bits & Uint32(MAGNITUDE_MASK)) > Uint32(POSITIVE_INF_BITS), Uint32(NAN_KEY), key)
+    return _select((bits & Uint32(MAGNITUDE_BITS)) > Uint32(EXPONENT_BITS), Uint32(ORDER_KEY_NAN), key)
 
 
 @cute.jit
