@@ -11,15 +11,15 @@ import functools
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int64, Uint8
+from cutlass import Float32, Int32, Int64, Uint8
 
 from .compile_cache import load_or_compile
 from .preparation import Prepared, PrepareOptions
-from .quant import BLOCK, code_span_numerator, num_blocks, smoothing_mean, softmax_scale_or_default
+from .quant import BLOCK, code_span_numerator, num_blocks, softmax_scale_or_default
 from .repair import repair_count, repair_score
 from .sm90.guards import DescaleGuards
 from .sm90.layout import HEAD_DIM, PV_N
-from .sm90.prep import AbsmaxPerHead, PackV, QuantizePerBlock, RepairRows
+from .sm90.prep import AbsmaxPerHead, ChannelMean, ChannelSumsPerBlock, PackV, QuantizePerBlock, RepairRows
 from .sm90.select import RESIDENT_MAX_TOKENS, SelectRepairTokens
 from .sm90.target import COMPILE_OPTIONS, row_major_fake
 
@@ -28,16 +28,17 @@ INPUT_ALIGN = 16
 TORCH_TO_CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 
 PREP_KINDS = (
-    "quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy",
-    "select_repair_tokens", "select_repair_tokens_resident", "repair_rows", "descale_guards",
+    "channel_sums_per_block", "channel_mean", "quantize_per_block", "quantize_centered_per_block",
+    "absmax_per_head", "pack_v", "pack_v_energy", "select_repair_tokens", "select_repair_tokens_resident",
+    "repair_rows", "descale_guards",
 )
-"""The compiled kernels: quantize Q or K, K minus its channel mean (smooth_k), V's absmax, packed V without and
-with the residual energies, for V residual repair the choice of its tokens (reading the score row from global
-memory in every pass, or, for S <= ``RESIDENT_MAX_TOKENS``, once into shared memory: ``select_kind``) and their
-repair keys, and the descale guards (``sm90.guards``)."""
-DTYPE_FREE_KINDS = ("select_repair_tokens", "select_repair_tokens_resident", "descale_guards")
-"""Kernels that never read the fp16/bf16 inputs (only FP32 scores or descales): compiled once, for no input dtype
-(None)."""
+"""The compiled kernels: K's channel mean in two passes (smooth_k), quantize Q or K, K minus its channel mean,
+V's absmax, packed V without and with the residual energies, for V residual repair the choice of its tokens
+(reading the score row from global memory in every pass, or, for S <= ``RESIDENT_MAX_TOKENS``, once into shared
+memory: ``select_kind``) and their repair keys, and the descale guards (``sm90.guards``)."""
+DTYPE_FREE_KINDS = ("channel_mean", "select_repair_tokens", "select_repair_tokens_resident", "descale_guards")
+"""Kernels that never read the fp16/bf16 inputs (only FP32 sums, scores or descales): compiled once, for no input
+dtype (None)."""
 
 
 SELECT_KINDS = ("select_repair_tokens", "select_repair_tokens_resident")
@@ -82,6 +83,10 @@ def compile_prep(kind: str, dtype: torch.dtype | None = None):
     b, h, s_pad = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=BLOCK)
     per_head = row_major_fake(Float32, (b, h), 4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if kind == "channel_mean":
+        sums = row_major_fake(Float32, (b, h, cute.sym_int(), HEAD_DIM), 16)
+        mean = row_major_fake(Float32, (b, h, HEAD_DIM), 16)
+        return cute.compile(ChannelMean(), sums, mean, Int32(1), stream, options=COMPILE_OPTIONS)
     if kind == "descale_guards":
         d_q, d_k = (row_major_fake(Float32, (b, h, cute.sym_int()), 4) for _ in range(2))
         return cute.compile(DescaleGuards(), d_q, d_k, per_head, Float32(1.0), stream, options=COMPILE_OPTIONS)
@@ -91,7 +96,9 @@ def compile_prep(kind: str, dtype: torch.dtype | None = None):
         select = SelectRepairTokens(resident=kind == "select_repair_tokens_resident")
         return cute.compile(select, score, tokens, stream, options=COMPILE_OPTIONS)
     x = _input_fake(TORCH_TO_CUTLASS[dtype])
-    if kind.startswith("quantize"):
+    if kind == "channel_sums_per_block":
+        args = (ChannelSumsPerBlock(), x, row_major_fake(Float32, (b, h, cute.sym_int(), HEAD_DIM), 16))
+    elif kind.startswith("quantize"):
         mean = row_major_fake(Float32, (b, h, HEAD_DIM), 16) if kind == "quantize_centered_per_block" else None
         x8, d = _rows_fake((b, h, s_pad, HEAD_DIM)), row_major_fake(Float32, (b, h, cute.sym_int()), 4)
         args = (QuantizePerBlock(), x, x8, d, mean)
@@ -164,44 +171,63 @@ def prepare_into(
     ``v_absmax`` (B, H) replaces V's absmax (its launch is skipped), ``k_mean`` (B, H, 128) the channel mean that
     K smoothing subtracts (``quant.smoothing_mean``).
 
-    Five launches on the current stream (four with ``v_absmax``): quantize Q, quantize K, V's absmax, pack V, then
-    the descale guards in place on ``out.d_q`` and ``out.d_v`` (``sm90.guards``); nothing waits on the host, so a
-    call can be captured in a CUDA graph.
+    Five launches on the current stream (four with ``v_absmax``): V's absmax, pack V, quantize Q, quantize K, then
+    the descale guards in place on ``out.d_q`` and ``out.d_v`` (``sm90.guards``); K smoothing without ``k_mean``
+    adds K's mean (``channel_mean``, two launches) before Q's. Nothing waits on the host, so a call can be captured
+    in a CUDA graph.
     """
-    q, k, v, mean_k = _ready_inputs(q, k, v, smooth_k, k_mean)
-    _launch_into(q, k, v, out, mean_k, residual_energy, softmax_scale, v_absmax)
+    kernels = load_kernels(q.dtype, smooth_k=smooth_k, energy=residual_energy is not None)
+    ready_q, ready_k, ready_v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    _launch_v(kernels, ready_v, out, residual_energy, v_absmax)
+    mean_k = smoothing_mean(ready_k, k_mean) if smooth_k else None
+    _launch_qk(kernels, ready_q, ready_k, out, mean_k, softmax_scale)
     return out
 
 
-def _ready_inputs(q, k, v, smooth_k: bool, k_mean):
-    """q, k, v as the kernels read them (``_kernel_ready``), and with ``smooth_k`` the mean K smoothing subtracts
-    (else None): the reference's reduction, on the caller's own layout of k, before any copy."""
-    mean_k = smoothing_mean(k, k_mean).contiguous() if smooth_k else None
-    return _kernel_ready(q), _kernel_ready(k), _kernel_ready(v), mean_k
+def channel_mean(k: torch.Tensor) -> torch.Tensor:
+    """``quant.channel_mean`` of ``(B, S, H, 128)`` fp16/bf16 k, bit for bit, in two launches
+    (``sm90.prep.ChannelSumsPerBlock``, ``ChannelMean``) on the current stream: ``(B, H, 128)`` FP32."""
+    k = _kernel_ready(k)
+    batch, seq_len, heads, _ = k.shape
+    sums = torch.empty(batch, heads, num_blocks(seq_len), HEAD_DIM, dtype=torch.float32, device=k.device)
+    load_prep("channel_sums_per_block", k.dtype)(k, sums)
+    mean = torch.empty(batch, heads, HEAD_DIM, dtype=torch.float32, device=k.device)
+    load_prep("channel_mean")(sums, mean, seq_len)
+    return mean
 
 
-def _launch_into(q, k, v, out: Prepared, mean_k, residual_energy, softmax_scale, v_absmax) -> None:
-    """``prepare_into``'s launches, on inputs that ``_kernel_ready`` returned and the mean K smoothing subtracts
-    (None: no smoothing)."""
-    smooth_k = mean_k is not None
+def smoothing_mean(k: torch.Tensor, k_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """``quant.smoothing_mean`` on the GPU: ``k_mean`` where given, else ``channel_mean(k)``."""
+    return k_mean.contiguous() if k_mean is not None else channel_mean(k)
+
+
+def _launch_v(kernels: tuple, v, out: Prepared, residual_energy, v_absmax) -> None:
+    """V's absmax (unless ``v_absmax`` is given) and packed V, with the residual energies where given, from
+    ``load_kernels``' ``kernels`` on ``_kernel_ready`` v."""
+    _, _, absmax_v, pack, _ = kernels
     s_pad = num_blocks(out.seqlen_k) * BLOCK
-    energy = residual_energy is not None
-    quantize_q, quantize_k, absmax_v, pack, guards = load_kernels(q.dtype, smooth_k=smooth_k, energy=energy)
-    quantize_q(q, out.q8, out.d_q, None)
-    quantize_k(k, out.k8[:, :, :s_pad], out.d_k, mean_k)
     if v_absmax is None:
         amax_v = torch.zeros(v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
         absmax_v(v, amax_v)
     else:
         amax_v = v_absmax.contiguous()
     pack(v, amax_v, out.v_packed[..., :s_pad], out.d_v, residual_energy)
+
+
+def _launch_qk(kernels: tuple, q, k, out: Prepared, mean_k, softmax_scale) -> None:
+    """Q's and K's quantization (K minus ``mean_k`` where given), then the descale guards, which read V's scale
+    too: after ``_launch_v``."""
+    quantize_q, quantize_k, _, _, guards = kernels
+    s_pad = num_blocks(out.seqlen_k) * BLOCK
+    quantize_q(q, out.q8, out.d_q, None)
+    quantize_k(k, out.k8[:, :, :s_pad], out.d_k, mean_k)
     numerator = code_span_numerator(softmax_scale_or_default(softmax_scale, HEAD_DIM), HEAD_DIM)
     guards(out.d_q, out.d_k, out.d_v, numerator)
 
 
 def load_kernels(dtype: torch.dtype, *, smooth_k: bool, energy: bool) -> tuple:
-    """The five compiled launches of ``prepare_into`` in order (quantize Q, quantize K, V's absmax, pack V, the
-    descale guards), for inputs of ``dtype``, K smoothing and residual energies (V residual repair) as given."""
+    """The five compiled kernels of ``prepare_into`` (quantize Q, quantize K, V's absmax, pack V, the descale
+    guards), for inputs of ``dtype``, K smoothing and residual energies (V residual repair) as given."""
     kinds = (
         "quantize_per_block",
         "quantize_centered_per_block" if smooth_k else "quantize_per_block",
@@ -228,20 +254,39 @@ def prepare(
     where two tokens nearly tie). With repair: the five launches of ``prepare_into``, the ranking's ops (none for
     the "energy" ranking), one launch choosing the tokens (``sm90.select.SelectRepairTokens``, the rule of
     ``repair.select_repair_tokens``; its variant for S_k: ``select_kind``) and one for the repair keys
-    (``sm90.prep.RepairRows``).
+    (``sm90.prep.RepairRows``). The choice runs on a stream of its own (``_side_stream``) while Q and K are
+    quantized, forked from and joined back into the current stream (capturable in a CUDA graph as well).
     Arguments are checked by the caller (``validation``, ``support``): same device, dtype, batch and heads.
     """
     batch, seq_q, heads, _ = q.shape
     seq_k = k.shape[1]
-    q, k, v, mean_k = _ready_inputs(q, k, v, options.smooth_k, k_mean)
     count = repair_count(seq_k, options.repair_ratio)
+    kernels = load_kernels(q.dtype, smooth_k=options.smooth_k, energy=count > 0)
+    ready_q, ready_k, ready_v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     out = empty_prepared(batch, seq_q, seq_k, heads, q.device, repair_keys=num_blocks(count) * BLOCK)
     energy = torch.empty(batch, heads, seq_k, dtype=torch.float32, device=q.device) if count else None
-    _launch_into(q, k, v, out, mean_k, energy, options.softmax_scale, v_absmax)
+    _launch_v(kernels, ready_v, out, energy, v_absmax)
     if count:
-        score = repair_score(energy, q, k, ranking=options.repair_ranking, softmax_scale=options.softmax_scale)
+        score = repair_score(
+            energy, ready_q, ready_k, ranking=options.repair_ranking, softmax_scale=options.softmax_scale
+        ).contiguous()
         tokens = torch.empty(batch, heads, count, dtype=torch.int64, device=q.device)
-        load_prep(select_kind(score.shape[-1]))(score.contiguous(), tokens)
+        # The choice runs on a few SMs (one CTA per head): beside Q's and K's quantization, not before them.
+        here, aside = torch.cuda.current_stream(q.device), _side_stream(q.device)
+        aside.wait_stream(here)
+        with torch.cuda.stream(aside):
+            load_prep(select_kind(score.shape[-1]))(score, tokens)
+    mean_k = smoothing_mean(ready_k, k_mean) if options.smooth_k else None
+    _launch_qk(kernels, ready_q, ready_k, out, mean_k, options.softmax_scale)
+    if count:
+        here.wait_stream(aside)
         repair_rows = load_prep("repair_rows", v.dtype)
-        repair_rows(v, tokens, out.k8, out.d_k, out.v_packed, out.d_v, out.d_k_repair, out.tile_repair)
+        repair_rows(ready_v, tokens, out.k8, out.d_k, out.v_packed, out.d_v, out.d_k_repair, out.tile_repair)
     return out
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream ``prepare`` runs the repair tokens' choice on, beside the caller's: high priority, so that its
+    few CTAs take SMs as soon as the energies are written, ahead of the quantization's many."""
+    return torch.cuda.Stream(device, priority=-1)

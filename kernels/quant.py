@@ -146,12 +146,53 @@ def apply_descale_guards(
     return limit_code_span(d_q, d_k, softmax_scale, head_dim), poison_non_finite(d_q, d_k, d_v)
 
 
-def channel_mean(k: torch.Tensor) -> torch.Tensor:
-    """Each head's per-channel mean of ``(B, S, H, D)`` K over the sequence, summed in FP32: ``(B, H, D)``.
+BLOCK_SUM_ORDER = (4, 8, 4)
+"""How a 128-token block of K is summed per channel (``channel_block_sums``, the fused preparation's order):
+(passes, warps, rows), token = 32 pass + 4 warp + row. The 4 passes of a (warp, row) are added in order, then the
+4 rows of a warp pairwise, (0 + 1) + (2 + 3), then the 8 warps in order."""
+MEAN_SEGMENTS = 8
+"""``channel_mean`` adds a head's block sums in this many consecutive segments, each in order from 0, then the
+segments in order."""
 
-    One reduction that reads K once (no FP32 copy); the fused preparation subtracts this very tensor.
+
+def channel_block_sums(k: torch.Tensor) -> torch.Tensor:
+    """Each 128-token block's per-channel FP32 sums of ``(B, S, H, D)`` K, zero-padded to whole blocks, added in
+    ``BLOCK_SUM_ORDER``: ``(B, H, n_blocks, D)``."""
+    batch, seq_len, heads, dim = k.shape
+    n = num_blocks(seq_len)
+    passes, warps, rows = BLOCK_SUM_ORDER
+    x = k.new_zeros(batch, n * BLOCK, heads, dim, dtype=torch.float32)
+    x[:, :seq_len] = k
+    x = x.view(batch, n, passes, warps, rows, heads, dim)
+    s = x[:, :, 0]
+    for p in range(1, passes):
+        s = s + x[:, :, p]
+    while s.shape[3] > 1:  # rows r and r ^ 1, then pairs of pairs: the kernel's butterfly over a warp's rows
+        s = s[:, :, :, 0::2] + s[:, :, :, 1::2]
+    total = s[:, :, 0, 0]
+    for w in range(1, warps):
+        total = total + s[:, :, w, 0]
+    return total.permute(0, 2, 1, 3)
+
+
+def channel_mean(k: torch.Tensor) -> torch.Tensor:
+    """Each head's per-channel mean of ``(B, S, H, D)`` K over the sequence, summed in FP32 in a defined order,
+    whatever K's layout or device: ``(B, H, D)``.
+
+    The block sums (``channel_block_sums``) added in ``MEAN_SEGMENTS`` consecutive segments, then one IEEE
+    division by S: the fused preparation's two launches (``sm90.prep.ChannelSumsPerBlock``, ``ChannelMean``)
+    compute the same bits.
     """
-    return k.transpose(1, 2).mean(dim=2, dtype=torch.float32)
+    sums = channel_block_sums(k)
+    n = sums.shape[2]
+    total = None
+    for j in range(MEAN_SEGMENTS):
+        part = torch.zeros_like(sums[:, :, 0])
+        for i in range(j * n // MEAN_SEGMENTS, (j + 1) * n // MEAN_SEGMENTS):
+            part = part + sums[:, :, i]
+        total = part if total is None else total + part
+    # A full tensor divisor: with a scalar torch may multiply by its reciprocal (see _scale_and_descale).
+    return total / torch.full_like(total, k.shape[1])
 
 
 def smoothing_mean(k: torch.Tensor, k_mean: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 
 from openvc_kernels import prep_ops as prep
 from openvc_kernels.preparation import PrepareOptions, write_repair_rows
-from openvc_kernels.quant import BLOCK, channel_mean, num_blocks, quantize_per_block, quantize_per_head
+from openvc_kernels.quant import BLOCK, num_blocks, quantize_per_block, quantize_per_head
 from openvc_kernels.repair import (
     MASS_SAMPLE_ROWS,
     attention_mass,
@@ -62,7 +62,7 @@ def main() -> None:
 
     copy_dst = torch.empty_like(q)
     energy = torch.empty(BATCH, HEADS, SEQ_LEN, device="cuda")
-    mean_k = channel_mean(k)
+    mean_k = prep.channel_mean(k)
     count = repair_count(SEQ_LEN, REPAIR_RATIO)
     tokens = choose_repair_tokens(energy.normal_(), count, q, k, ranking="energy", softmax_scale=TAU)
     select_out = torch.empty_like(tokens)
@@ -82,7 +82,7 @@ def main() -> None:
             x_bytes + packed_bytes,
         ),
         "prepare (all four)": (lambda: prep.prepare_into(q, k, v, out), 4 * x_bytes + 2 * x8_bytes + packed_bytes),
-        "smooth_k: channel mean (torch)": (lambda: channel_mean(k), x_bytes),
+        "smooth_k: channel mean (two launches)": (lambda: prep.channel_mean(k), x_bytes),
         "smooth_k: quantize_centered_per_block (K)": (
             lambda: prep.load_prep("quantize_centered_per_block", k.dtype)(k, out.k8, out.d_k, mean_k),
             x_bytes + x8_bytes,

@@ -1,16 +1,17 @@
 """Device probe: ways to reduce K's per-channel mean over the sequence (K smoothing), timed alone at the bench shapes.
 
-``quant.channel_mean`` is one reduction, ``k.transpose(1, 2).mean(dim=2, dtype=float32)``. The others read the same
-bytes: ``fold`` consecutive tokens summed side by side (one reduction to (B, fold H D), then one over the fold, then
-the ``S % fold`` last tokens; fold 1 is one sum over the sequence, then a division), and a ones-row GEMM with FP32
-output (cuBLAS). Prints each one's median time (do_bench: back to back), its bandwidth and its largest difference
-from the float64 mean.
+``prep_ops.channel_mean`` is the preparation's own: two launches (per-block sums, then the blocks in eight
+segments), the order ``quant.channel_mean`` spells out. The others read the same bytes: torch's one reduction,
+``k.transpose(1, 2).mean(dim=2, dtype=float32)`` (the mean until 2026-12-01), ``fold`` consecutive tokens summed side
+by side (one reduction to (B, fold H D), then one over the fold, then the ``S % fold`` last tokens; fold 1 is one
+sum over the sequence, then a division), and a ones-row GEMM with FP32 output (cuBLAS). Prints each one's median
+time (do_bench: back to back), its bandwidth and its largest difference from the float64 mean.
 """
 
 import torch
 from triton.testing import do_bench
 
-from openvc_kernels.quant import channel_mean
+from openvc_kernels import prep_ops
 
 SHAPES = ((32760, 12), (73397, 7), (75600, 40), (118800, 24))
 FOLDS = (1, 2, 4, 8, 16)
@@ -34,7 +35,8 @@ def ones_row_mean(k: torch.Tensor) -> torch.Tensor:
 
 def ways() -> dict:
     return {
-        "quant.channel_mean": channel_mean,
+        "prep_ops.channel_mean": prep_ops.channel_mean,
+        "torch mean": lambda k: k.transpose(1, 2).mean(dim=2, dtype=torch.float32),
         **{f"fold {fold}": lambda k, fold=fold: folded_mean(k, fold) for fold in FOLDS},
         "ones-row bmm, FP32 out": ones_row_mean,
     }

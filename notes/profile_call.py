@@ -3,7 +3,8 @@
 Runs ``openvc_kernels.attention`` back to back at the bench shapes, with the API's defaults and with the
 processor's (``OpenVCConfig().kernel_options``), and prints per GPU operation of one call (in stream order) its
 median duration and the median idle gap before it; then the call's span and its host time (the calls enqueued
-after a synchronize, wall time per call). At ``HOST_PROFILE_SHAPE`` also where that host time goes: cProfile's
+after a synchronize, wall time per call), and for calls made each alone how long the GPU waits for the forward
+kernel's launch. At ``HOST_PROFILE_SHAPE`` also where that host time goes: cProfile's
 functions of most own time over the same calls.
 """
 
@@ -75,9 +76,40 @@ def profile_call(seq: int, heads: int, name: str) -> None:
             outside += duration + gap
         print(f"  {duration:9.1f} us  gap before {gap:6.1f} us  {name_[:90]}")
     print(f"  outside the forward kernel: {outside:.1f} us")
+    synced_lead(call, sets, per_call)
     if (seq, heads) == HOST_PROFILE_SHAPE:
         host_profile(call, sets)
     sys.stdout.flush()
+
+
+def synced_lead(call, sets, per_call: int) -> None:
+    """Calls made each alone (synchronize, call), as the bench's synchronized timing makes them: the median time
+    from the call's first GPU operation to the forward kernel's start, and how much of it the GPU sat idle (waiting
+    for the host's launches)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(CALLS):
+            torch.cuda.synchronize()
+            call(*sets[i % 2])
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    leads, idles = [], []
+    for c in range(1, CALLS):
+        ops = kernels[c * per_call:(c + 1) * per_call]
+        forward = next(i for i, e in enumerate(ops) if "ExpCastAttentionSm90" in e.name)
+        lead = ops[forward].time_range.start - ops[0].time_range.start
+        busy_until, busy = ops[0].time_range.start, 0.0
+        for e in ops[:forward]:  # overlapping operations (the side stream) count once
+            start, end = max(e.time_range.start, busy_until), e.time_range.end
+            busy, busy_until = busy + max(0.0, end - start), max(busy_until, end)
+        leads.append(lead)
+        idles.append(lead - busy)
+    print(
+        f"  synchronized calls: the forward kernel starts {statistics.median(leads):.1f} us after the call's first "
+        f"GPU operation, {statistics.median(idles):.1f} us of it idle"
+    )
 
 
 def host_profile(call, sets) -> None:

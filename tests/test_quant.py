@@ -1,7 +1,7 @@
 """The descale guards of ``quant`` on the CPU: the code span limit's FP32 formula, spelled out (an IEEE reciprocal, then
 one product with an FP32 constant), is the former ``(CODE_SPAN_LIMIT / per_descale) / d_k_max`` bit for bit, and
 what the guards do with inf and NaN. tests/test_sm90_prep.py checks the fused guard kernel against these on the GPU.
-And K smoothing's channel mean: every token counted once, whatever the length and layout."""
+And K smoothing's channel mean: every token counted once, whatever the length and layout, in the order it names."""
 
 import struct
 
@@ -10,8 +10,10 @@ import torch
 
 from openvc_kernels.expcast import CODES_PER_NAT
 from openvc_kernels.quant import (
+    BLOCK_SUM_ORDER,
     CODE_SPAN_LIMIT,
     FP8_MAX,
+    MEAN_SEGMENTS,
     apply_descale_guards,
     channel_mean,
     code_span_numerator,
@@ -113,3 +115,50 @@ def test_the_channel_mean_counts_every_token_once(fresh_seed, seq, layout, dtype
     mean = channel_mean(k)
     assert mean.shape == (batch, heads, dim) and mean.dtype == torch.float32
     assert torch.equal(mean, k.double().sum(dim=1).float() / seq), f"seed {fresh_seed}"
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _spelled_out_mean(column: list[float]) -> float:
+    """``channel_mean`` of one (batch, head, channel) column, each FP32 addition written out in the order
+    ``BLOCK_SUM_ORDER`` and ``MEAN_SEGMENTS`` describe."""
+    passes, warps, rows = BLOCK_SUM_ORDER
+    add = lambda a, b: _f32(a + b)
+    n = -(-len(column) // 128)
+    padded = column + [0.0] * (n * 128 - len(column))
+    block_sums = []
+    for block in range(n):
+        x = padded[block * 128:(block + 1) * 128]
+        row_sums = [[0.0] * rows for _ in range(warps)]
+        for w in range(warps):
+            for r in range(rows):
+                total = x[4 * w + r]
+                for p in range(1, passes):
+                    total = add(total, x[32 * p + 4 * w + r])
+                row_sums[w][r] = total
+        warp_sums = [add(add(s[0], s[1]), add(s[2], s[3])) for s in row_sums]
+        total = warp_sums[0]
+        for w in range(1, warps):
+            total = add(total, warp_sums[w])
+        block_sums.append(total)
+    total = None
+    for j in range(MEAN_SEGMENTS):
+        part = 0.0
+        for i in range(j * n // MEAN_SEGMENTS, (j + 1) * n // MEAN_SEGMENTS):
+            part = add(part, block_sums[i])
+        total = part if total is None else add(total, part)
+    return _f32(total / len(column))
+
+
+@pytest.mark.parametrize("seq", [1, 37, 128, 300, 1100])
+def test_the_channel_mean_adds_in_the_order_it_names(fresh_seed, seq):
+    """The vectorized ``channel_mean`` against each of its additions written out: the same bits. FP32 values with
+    channel offsets as video DiTs' K carry make the order show (a sequential sum differs in the last bits)."""
+    k = torch.randn(1, seq, 2, 4) + torch.tensor([0.0, 3.0, -40.0, 900.0])
+    mean = channel_mean(k)
+    expected = torch.tensor(
+        [[[_spelled_out_mean(k[0, :, h, c].float().tolist()) for c in range(4)] for h in range(2)]]
+    )
+    assert torch.equal(mean, expected), f"seed {fresh_seed}"

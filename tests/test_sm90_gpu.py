@@ -314,6 +314,19 @@ def test_huge_finite_logits_give_a_weighted_average_of_values(factor):
     assert torch.equal(prepare(q, k, v).d_q, prepare_reference(q, k, v).d_q)  # the same code span limit
 
 
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_call_through_the_op_gives_the_bits_of_its_body_run_directly(return_lse):
+    """An eager call runs the op's body itself (``ops._nothing_sees_the_op``); under a function mode the same
+    call goes through the custom op: the same bits, on the processor's defaults."""
+    q, k, v = _inputs(1, 3000, 3000, 3)
+    options = {"smooth_k": True, "repair_ratio": 0.005, "return_lse": return_lse}
+    direct = attention(q, k, v, **options)
+    with torch.device("cuda"):
+        through_the_op = attention(q, k, v, **options)
+    for got, want in zip(*(x if return_lse else (x,) for x in (through_the_op, direct))):
+        assert torch.equal(got, want)
+
+
 def test_a_gradient_through_the_kernel_raises():
     q, k, v = (x.requires_grad_() for x in _inputs(1, 1024, 1024, 2))
     out = attention(q, k, v)

@@ -3,6 +3,7 @@ byte-identical results to the PyTorch quantization and packing (``quant``, ``lay
 
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import torch
 
 from openvc_kernels.preparation import Prepared, PrepareOptions, prepare_reference, write_repair_rows
 from openvc_kernels.quant import (
-    BLOCK, apply_descale_guards, code_span_numerator, num_blocks, quantize_per_block, quantize_per_head
+    BLOCK, apply_descale_guards, channel_block_sums, channel_mean, code_span_numerator, num_blocks,
+    quantize_per_block, quantize_per_head
 )
 from openvc_kernels.repair import attention_mass, repair_count, residual_energy, select_repair_tokens, v_residual
 from openvc_kernels.sm90.layout import CHUNK, KEY_PERMUTATION, packed_position
@@ -141,6 +143,17 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
     assert compiled["divergent_sync"] == [], compiled["divergent_sync"]
     # Straight-line kernels: no loops, so a launch always terminates once every thread reaches bar.sync 0.
     assert compiled["backward_branches"] == [], compiled["backward_branches"]
+    if kind == "channel_sums_per_block":
+        # The block read once (8 16-byte loads a thread); per channel 3 adds over the passes, 2 over the warp's rows
+        # (a butterfly), and 7 over the warps; the warps' sums through shared memory, one store per channel.
+        assert ops.get("ld.global.v4.b32") == 8 and count("cvt.f32.") == 64
+        channels = prep.CHANNELS_PER_THREAD
+        assert ops.get("add.f32") == channels * (3 + 2) + prep.WARPS - 1
+        assert ops.get("shfl.sync.bfly.b32") == 2 * channels and count("fma") == 0
+        assert ops.get("st.shared.v4.b32") == channels // 4 and ops.get("ld.shared.b32") == prep.WARPS
+        assert {op for op in ops if op.startswith("st.global")} == {"st.global.b32"}
+        assert ops.get("bar.sync") == 1
+        return
     if kind == "repair_rows":
         # A thread's 8 channels of one repair key: each residual one product rounded alone and one IEEE division,
         # as torch's kernels round them, then two values per RNE-saturating conversion.
@@ -306,6 +319,23 @@ def test_select_sass_has_no_local_memory(kind):
         assert shared_loads == 2 * select.PASSES + 2, counts
 
 
+def test_channel_mean_compiles_for_sm90a(ptx_ops):
+    """K's mean from the block sums (``sm90.prep.ChannelMean``): one loop over a segment's blocks, unrolled so eight
+    loads are in flight, a barrier outside it, the segments added in order, one IEEE division."""
+    compiled = ptx_ops["channel_mean/None"]
+    ops = compiled["ops"]
+    count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))
+    assert compiled["target"] == "sm_90a"
+    assert count("ld.local") == 0 and count("st.local") == 0, "registers spilled"
+    assert compiled["divergent_sync"] == [] and compiled["sync_in_loop"] == [], compiled
+    assert ops.get("bar.sync") == 1 and compiled["backward_branches"]
+    # Eight unrolled loads and one of the remainder; nine adds of block sums, then seven of segments.
+    assert ops.get("ld.global.b32") == 8 + 1 and ops.get("add.f32") == 9 + prep.MEAN_SEGMENTS - 1
+    assert ops.get("ld.shared.b32") == prep.MEAN_SEGMENTS and count("fma") == 0
+    assert ops.get("div.rn.f32") == 1 and count("rcp") == 0 and count("div.approx") == 0 and count("div.full") == 0
+    assert ops.get("st.global.b32") == 1
+
+
 def test_descale_guards_compile_for_sm90a(ptx_ops):
     """The guards' one launch (``sm90.guards``): torch's rounding and NaN handling in the PTX, bounded loops."""
     compiled = ptx_ops["descale_guards/None"]
@@ -433,6 +463,34 @@ def test_prepare_with_smoothed_keys(seed, batch, seq_len, heads):
     k = (torch.randn(batch, seq_len, heads, 128, device="cuda") + offsets).to(torch.bfloat16)
     out = prep_ops.prepare_into(q, k, v, _poisoned(batch, seq_len, seq_len, heads, "cuda"), smooth_k=True)
     _assert_identical(out, _reference(q, k, v, PrepareOptions(smooth_k=True)), f"seed {seed}")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "k of fused qkv", "head-major"])
+@pytest.mark.parametrize("seq_len", [1, 127, 129, 1000, 4100, 32_760, 73_397])
+def test_channel_mean_matches_reference(seed, dtype, layout, seq_len):
+    """K's mean in two launches (``sm90.prep.ChannelSumsPerBlock``, ``ChannelMean``) into poisoned buffers: the
+    bits of ``quant.channel_mean``'s block sums and mean, on the GPU and on the CPU alike, in any layout."""
+    batch, heads = 2, 3
+    offsets = 40 * torch.randn(heads, 128, device="cuda")  # channel offsets: the summation order shows
+    qkv = (torch.randn(batch, seq_len, 3, heads, 128, device="cuda") + offsets).to(dtype)
+    k = {
+        "contiguous": qkv[:, :, 1].contiguous(),
+        "k of fused qkv": qkv[:, :, 1],
+        "head-major": qkv[:, :, 1].transpose(1, 2).contiguous().transpose(1, 2),
+    }[layout]
+    sums = torch.full((batch, heads, num_blocks(seq_len), 128), math.nan, device="cuda")
+    mean = torch.full((batch, heads, 128), math.nan, device="cuda")
+    prep_ops.load_prep("channel_sums_per_block", dtype)(prep_ops._kernel_ready(k), sums)
+    prep_ops.load_prep("channel_mean")(sums, mean, seq_len)
+    expected_sums = channel_block_sums(k)
+    assert torch.equal(sums, expected_sums), f"{layout}, seed {seed}"
+    assert torch.equal(mean, channel_mean(k)), f"{layout}, seed {seed}"
+    assert torch.equal(prep_ops.channel_mean(k), mean)
+    if seq_len <= 4100:
+        assert torch.equal(channel_mean(k.cpu()), mean.cpu()), f"the CPU's reference, seed {seed}"
 
 
 @pytest.mark.gpu
@@ -670,7 +728,8 @@ def test_select_repair_tokens_matches_reference(seed, batch, heads, seq_len, cou
 @pytest.mark.parametrize("seq_len", [select.RESIDENT_MAX_TOKENS, select.RESIDENT_MAX_TOKENS + 1])
 def test_prepare_selects_with_the_variant_for_its_length(seed, monkeypatch, seq_len):
     """``prepare`` with repair launches the resident variant up to RESIDENT_MAX_TOKENS keys and the streaming one
-    above, once, on the whole score row; its tokens are ``repair.select_repair_tokens`` of that row."""
+    above, once, on the whole score row, on its side stream; its tokens are ``repair.select_repair_tokens`` of
+    that row."""
     batch, heads = 1, 3
     q, k, v = (torch.randn(batch, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     launched, load = [], prep_ops.load_prep
@@ -683,13 +742,14 @@ def test_prepare_selects_with_the_variant_for_its_length(seed, monkeypatch, seq_
         def run(score, tokens):
             tokens.fill_(-1)
             compiled(score, tokens)
-            launched.append((kind, score.clone(), tokens.clone()))
+            launched.append((kind, torch.cuda.current_stream(), score.clone(), tokens.clone()))
 
         return run
 
     monkeypatch.setattr(prep_ops, "load_prep", recording)
     prep_ops.prepare(q, k, v, PrepareOptions(repair_ratio=0.005, repair_ranking="energy"))
-    ((kind, score, tokens),) = launched
+    ((kind, stream, score, tokens),) = launched
+    assert stream == prep_ops._side_stream(q.device) != torch.cuda.current_stream()
     resident = seq_len <= select.RESIDENT_MAX_TOKENS
     assert kind == ("select_repair_tokens_resident" if resident else "select_repair_tokens")
     assert score.shape == (batch, heads, seq_len) and tokens.shape[-1] == repair_count(seq_len, 0.005)

@@ -2,15 +2,18 @@
 code only: ``prep_ops`` compiles these kernels and runs them on torch tensors.
 
 Byte-identical to ``quant.quantize_per_block`` (Q, K) and ``layout.pack_v(quant.quantize_per_head(V))``
-(``preparation.prepare_reference``). With K smoothing, K's per-channel mean (``quant.channel_mean``, one PyTorch
-reduction: it needs the whole sequence) is subtracted inside the K launch.
+(``preparation.prepare_reference``). With K smoothing, K's per-channel mean (``quant.channel_mean``: it needs the
+whole sequence, so two launches of its own come first, in the reference's summation order) is subtracted inside
+the K launch.
 Inputs are diffusers' ``(B, S, H, 128)`` fp16/bf16, any strides whose head-dim stride is 1 and the others
 multiples of 8 elements (16 bytes); anything else is copied once by ``prep_ops.prepare``.
 
-Four launches, stream-ordered, no host synchronisation, capturable in a CUDA graph (then the descale guards,
+Four launches (six with K smoothing), stream-ordered, no host synchronisation, capturable in a CUDA graph (then the descale guards,
 ``quant.apply_descale_guards``, one launch of ``sm90.guards``), and with V residual repair, after the tokens' choice
 (``repair.select_repair_tokens``, one launch of ``sm90.select``), a fifth:
 
+  ChannelSumsPerBlock   k (B, S, H, 128)  -> sums (B, H, n_blocks, 128) fp32     (K smoothing only)
+  ChannelMean           sums              -> mean (B, H, 128) fp32                (K smoothing only)
   QuantizePerBlock (Q)  x (B, S, H, 128)  -> x8 (B, H, S_pad, 128) E4M3, d (B, H, n_blocks)
   QuantizePerBlock (K)  same, optionally minus the channel mean (B, H, 128)
   AbsmaxPerHead    (V)  v                 -> amax (B, H): atomic max of each block's absmax
@@ -24,7 +27,7 @@ The outputs may be views into larger buffers (their batch, head and row strides 
 repair, k8 and v_packed have room for the repair keys after the real ones, which RepairRows writes as
 ``preparation.write_repair_rows`` does.
 
-Every CTA owns one 128-token block of one (b, h): 256 threads, each holding 16 consecutive channels of
+Every CTA (but ChannelMean's and RepairRows') owns one 128-token block of one (b, h): 256 threads, each holding 16 consecutive channels of
 4 tokens in registers (the block is read once per kernel). V is read twice: its scale needs the whole head.
 The absmax is exact in any order (max of non-negative FP32s, and on their bits as integers), so the
 atomics leave the result deterministic.
@@ -35,7 +38,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint8
 
-from ..quant import ABSMAX_FLOOR, BLOCK, FP8_MAX
+from ..quant import ABSMAX_FLOOR, BLOCK, BLOCK_SUM_ORDER, FP8_MAX, MEAN_SEGMENTS
 from .layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS
 from .ptx import mul_rn
 
@@ -46,6 +49,11 @@ CHANNELS_PER_THREAD = 16
 THREADS_PER_TOKEN = HEAD_DIM // CHANNELS_PER_THREAD
 TOKENS_PER_PASS = THREADS // THREADS_PER_TOKEN
 """32 tokens per pass, 4 passes per block: all 16 KiB of loads of a thread in flight at once."""
+ROWS_PER_WARP = TOKENS_PER_PASS // WARPS
+"""Tokens of a pass one warp holds: its lanes 8 r .. 8 r + 7 hold token row r."""
+assert BLOCK_SUM_ORDER == (BLOCK // TOKENS_PER_PASS, WARPS, ROWS_PER_WARP), "quant.BLOCK_SUM_ORDER is this layout's"
+MEAN_THREADS = MEAN_SEGMENTS * HEAD_DIM
+"""ChannelMean: one thread per (segment, channel)."""
 KEYS_PER_STORE = 16
 """Packed V: consecutive key positions one thread stores (16 bytes) for one channel."""
 PERMUTATION_SHAPE = ((2, 2, 4, 2), BLOCK // CHUNK)
@@ -236,6 +244,92 @@ class QuantizePerBlock:
         cute.copy(tiled_copy, tXrX8, tXgX8)
         if tidx == 0:
             mD[b, h, n] = descale
+
+
+class ChannelSumsPerBlock:
+    """K smoothing, pass 1: each block's per-channel FP32 sums (``quant.channel_block_sums``, bit for bit).
+    Grid (n_blocks, H, B).
+
+    A thread adds its 4 passes in order, a butterfly over lane bits 3 and 4 adds the warp's 4 token rows pairwise
+    (every lane then holds (0 + 1) + (2 + 3): addition commutes), and thread c < 128 adds the 8 warps' sums of
+    channel c in order, through shared memory.
+    """
+
+    @cute.jit
+    def __call__(self, mK: cute.Tensor, mSums: cute.Tensor, stream: cuda.CUstream):
+        """mK (B, S, H, 128) fp16/bf16; mSums (B, H, n_blocks, 128) fp32."""
+        self.kernel(mK, mSums).launch(
+            grid=[mSums.shape[2], mSums.shape[1], mSums.shape[0]], block=[THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mK: cute.Tensor, mSums: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        n, h, b = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        # sWarpSums: (warp 8, channel 128):(128, 1) fp32.
+        warp_sums = smem.allocate_tensor(Float32, cute.make_layout((WARPS, HEAD_DIM), stride=(HEAD_DIM, 1)))
+
+        values = cute.make_rmem_tensor(_block_coords(mK, n, tidx).shape, Float32)
+        values.store(_load_block(mK, b, h, n, tidx).load().to(Float32))
+        channels, passes = cute.size(values, mode=[0]), cute.size(values, mode=[1])
+        sums = cute.make_rmem_tensor(channels, Float32)
+        for i in cutlass.range_constexpr(channels):
+            total = values[i, 0, 0]
+            for p in cutlass.range_constexpr(1, passes):
+                total = total + values[i, p, 0]
+            for bit in cutlass.range_constexpr(3, 5):
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << bit)
+            sums[i] = total
+        # warp_idx() with the warp converged (see _block_absmax).
+        lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+        coords = _block_coords(mK, n, tidx)
+        if lane < THREADS_PER_TOKEN:
+            for i in cutlass.range_constexpr(channels):
+                warp_sums[warp, coords[i, 0, 0][1]] = sums[i]
+        cute.arch.barrier()
+        if tidx < HEAD_DIM:
+            total = warp_sums[0, tidx]
+            for w in cutlass.range_constexpr(1, WARPS):
+                total = total + warp_sums[w, tidx]
+            mSums[b, h, n, tidx] = total
+
+
+class ChannelMean:
+    """K smoothing, pass 2: ``quant.channel_mean`` from the block sums, bit for bit. Grid (H, B), MEAN_THREADS
+    threads: thread (segment j, channel c) adds the sums of its segment's blocks in order from 0, thread c < 128
+    the segments in order, then one IEEE division by S."""
+
+    @cute.jit
+    def __call__(self, mSums: cute.Tensor, mMean: cute.Tensor, seq_len: Int32, stream: cuda.CUstream):
+        """mSums (B, H, n_blocks, 128) fp32 (``ChannelSumsPerBlock``); mMean (B, H, 128) fp32; ``seq_len`` S."""
+        self.kernel(mSums, mMean, seq_len).launch(
+            grid=[mMean.shape[1], mMean.shape[0], 1], block=[MEAN_THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mSums: cute.Tensor, mMean: cute.Tensor, seq_len: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        h, b, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        # sSegmentSums: (segment 8, channel 128):(128, 1) fp32.
+        segment_sums = smem.allocate_tensor(
+            Float32, cute.make_layout((MEAN_SEGMENTS, HEAD_DIM), stride=(HEAD_DIM, 1))
+        )
+        segment, channel = tidx // HEAD_DIM, tidx % HEAD_DIM
+        n_blocks = mSums.shape[2]
+        part = Float32(0.0)
+        # Unrolled: the loads of eight blocks in flight at once, their sums still in order.
+        for i in cutlass.range(segment * n_blocks // MEAN_SEGMENTS, (segment + 1) * n_blocks // MEAN_SEGMENTS,
+                               unroll=8):
+            part = part + mSums[b, h, i, channel]
+        segment_sums[segment, channel] = part
+        cute.arch.barrier()
+        if tidx < HEAD_DIM:
+            total = segment_sums[0, tidx]
+            for j in cutlass.range_constexpr(1, MEAN_SEGMENTS):
+                total = total + segment_sums[j, tidx]
+            mMean[b, h, tidx] = total / Float32(seq_len)
 
 
 class AbsmaxPerHead:
