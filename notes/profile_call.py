@@ -1,13 +1,15 @@
 """Device probe: where a complete Open-VC call's time goes, kernel by kernel, gaps included (torch.profiler).
 
 Runs ``openvc_kernels.attention`` back to back at the bench shapes, with the API's defaults and with the
-processor's (``OpenVCConfig().kernel_options``), and prints per GPU operation of one call (in stream order) its
-median duration and the median idle gap before it; then the call's span and its host time (the calls enqueued
-after a synchronize, wall time per call), and for calls made each alone how long the GPU waits for the forward
-kernel's launch. At ``HOST_PROFILE_SHAPE`` also where that host time goes: cProfile's
-functions of most own time over the same calls.
+processor's (``OpenVCConfig().kernel_options``), and prints per GPU operation of one call (in the order they
+start) its median duration and the median gap before it (from the end of the operation that started last before
+it; negative where the side stream's one runs beside it); then the call's span and its host time (the calls
+enqueued after a synchronize, wall time per call), and for calls made each alone how long the GPU waits for the
+forward kernel's launch. At ``HOST_PROFILE_SHAPE`` also where that host time goes: cProfile's functions of most
+own time over the same calls.
 """
 
+import collections
 import cProfile
 import pstats
 import statistics
@@ -57,10 +59,16 @@ def profile_call(seq: int, heads: int, name: str) -> None:
     )
     per_call = len(kernels) // CALLS
     rows = {}
-    for i, e in enumerate(kernels[per_call:], start=per_call):  # the first call waits on nothing before it
-        gap = e.time_range.start - kernels[i - 1].time_range.end
-        rows.setdefault(i % per_call, (e.name, [], []))[1].append(e.time_range.elapsed_us())
-        rows[i % per_call][2].append(gap)
+    for c in range(1, CALLS):  # the first call waits on nothing before it
+        # Keyed by kernel and occurrence, not position: the side stream's operation starts in varying order.
+        occurrences = collections.Counter()
+        for i in range(c * per_call, (c + 1) * per_call):
+            e = kernels[i]
+            occurrences[e.name] += 1
+            key = (e.name, occurrences[e.name])
+            gap = e.time_range.start - kernels[i - 1].time_range.end
+            rows.setdefault(key, (e.name, [], []))[1].append(e.time_range.elapsed_us())
+            rows[key][2].append(gap)
     span = statistics.median(
         kernels[(c + 1) * per_call].time_range.start - kernels[c * per_call].time_range.start for c in range(CALLS - 1)
     )
@@ -69,13 +77,13 @@ def profile_call(seq: int, heads: int, name: str) -> None:
         f"{seq}x{heads} {name}: {per_call} GPU operations per call, call span {span / 1e3:.3f} ms "
         f"({tflops:.0f} TFLOP/s), host {host:.3f} ms per call"
     )
-    outside = 0.0
+    forward = 0.0
     for name_, durations, gaps in rows.values():
         duration, gap = statistics.median(durations), statistics.median(gaps)
-        if "ExpCastAttentionSm90" not in name_:
-            outside += duration + gap
+        if "ExpCastAttentionSm90" in name_:
+            forward = duration
         print(f"  {duration:9.1f} us  gap before {gap:6.1f} us  {name_[:90]}")
-    print(f"  outside the forward kernel: {outside:.1f} us")
+    print(f"  outside the forward kernel (the call's span less the kernel's): {span - forward:.1f} us")
     synced_lead(call, sets, per_call)
     if (seq, heads) == HOST_PROFILE_SHAPE:
         host_profile(call, sets)
