@@ -26,10 +26,11 @@ FORWARD = (
 )
 PREP = "import torch; from openvc_kernels.prep_ops import compile_prep; compile_prep({kind!r}, {dtype})"
 PREP_KINDS = (
-    "quantize_per_block", "quantize_centered_per_block", "absmax_per_head", "pack_v", "pack_v_energy",
-    "select_repair_tokens", "select_repair_tokens_resident", "repair_rows", "descale_guards",
+    "channel_sums_per_block", "channel_mean", "quantize_per_block", "quantize_centered_per_block",
+    "absmax_per_head", "pack_v", "pack_v_energy", "select_repair_tokens", "select_repair_tokens_resident",
+    "repair_rows", "descale_guards",
 )
-DTYPE_FREE_KINDS = ("select_repair_tokens", "select_repair_tokens_resident", "descale_guards")
+DTYPE_FREE_KINDS = ("channel_mean", "select_repair_tokens", "select_repair_tokens_resident", "descale_guards")
 """``prep_ops.PREP_KINDS`` and ``prep_ops.DTYPE_FREE_KINDS`` (compiled once, for no input dtype), copied: this script
 imports nothing of the package, each kernel compiles in a process of its own."""
 KERNELS = {

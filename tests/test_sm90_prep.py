@@ -13,7 +13,7 @@ import torch
 
 from openvc_kernels.preparation import Prepared, PrepareOptions, prepare_reference, write_repair_rows
 from openvc_kernels.quant import (
-    BLOCK, apply_descale_guards, channel_block_sums, channel_mean, code_span_numerator, num_blocks,
+    BLOCK, BLOCK_SUM_ORDER, apply_descale_guards, channel_block_sums, channel_mean, code_span_numerator, num_blocks,
     quantize_per_block, quantize_per_head
 )
 from openvc_kernels.repair import attention_mass, repair_count, residual_energy, select_repair_tokens, v_residual
@@ -57,6 +57,13 @@ def test_permutation_layout_is_chunk_key():
     assert keys == expected
     # The ones rows use that each 16-position group holds the 16 keys of the same group.
     assert all(p // prep.KEYS_PER_STORE == k // prep.KEYS_PER_STORE for p, k in enumerate(keys))
+
+
+def test_the_block_sum_order_is_the_load_layout_s():
+    """``quant.BLOCK_SUM_ORDER`` (the reference's order) is how ChannelSumsPerBlock's threads hold a block:
+    4 passes of 32 tokens, 8 warps of 4 token rows; its butterfly pairs rows r and r ^ 1, then the pairs."""
+    assert BLOCK_SUM_ORDER == (BLOCK // prep.TOKENS_PER_PASS, prep.WARPS, prep.ROWS_PER_WARP) == (4, 8, 4)
+    assert prep.ROW_BUTTERFLY_OFFSETS == (prep.THREADS_PER_TOKEN, 2 * prep.THREADS_PER_TOKEN) == (8, 16)
 
 
 _PTX_SCRIPT = """

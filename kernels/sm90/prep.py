@@ -8,9 +8,9 @@ the K launch.
 Inputs are diffusers' ``(B, S, H, 128)`` fp16/bf16, any strides whose head-dim stride is 1 and the others
 multiples of 8 elements (16 bytes); anything else is copied once by ``prep_ops.prepare``.
 
-Four launches (six with K smoothing), stream-ordered, no host synchronisation, capturable in a CUDA graph (then the descale guards,
-``quant.apply_descale_guards``, one launch of ``sm90.guards``), and with V residual repair, after the tokens' choice
-(``repair.select_repair_tokens``, one launch of ``sm90.select``), a fifth:
+Four launches (six with K smoothing), stream-ordered, no host synchronisation, capturable in a CUDA graph (then
+the descale guards, ``quant.apply_descale_guards``, one launch of ``sm90.guards``), and with V residual repair,
+after the tokens' choice (``repair.select_repair_tokens``, one launch of ``sm90.select``), one more:
 
   ChannelSumsPerBlock   k (B, S, H, 128)  -> sums (B, H, n_blocks, 128) fp32     (K smoothing only)
   ChannelMean           sums              -> mean (B, H, 128) fp32                (K smoothing only)
@@ -27,8 +27,9 @@ The outputs may be views into larger buffers (their batch, head and row strides 
 repair, k8 and v_packed have room for the repair keys after the real ones, which RepairRows writes as
 ``preparation.write_repair_rows`` does.
 
-Every CTA (but ChannelMean's and RepairRows') owns one 128-token block of one (b, h): 256 threads, each holding 16 consecutive channels of
-4 tokens in registers (the block is read once per kernel). V is read twice: its scale needs the whole head.
+Every CTA (but ChannelMean's and RepairRows') owns one 128-token block of one (b, h): 256 threads, each holding
+16 consecutive channels of 4 tokens in registers (the block is read once per kernel). V is read twice: its scale
+needs the whole head.
 The absmax is exact in any order (max of non-negative FP32s, and on their bits as integers), so the
 atomics leave the result deterministic.
 """
@@ -38,7 +39,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint8
 
-from ..quant import ABSMAX_FLOOR, BLOCK, BLOCK_SUM_ORDER, FP8_MAX, MEAN_SEGMENTS
+from ..quant import ABSMAX_FLOOR, BLOCK, FP8_MAX, MEAN_SEGMENTS
 from .layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS
 from .ptx import mul_rn
 
@@ -50,8 +51,9 @@ THREADS_PER_TOKEN = HEAD_DIM // CHANNELS_PER_THREAD
 TOKENS_PER_PASS = THREADS // THREADS_PER_TOKEN
 """32 tokens per pass, 4 passes per block: all 16 KiB of loads of a thread in flight at once."""
 ROWS_PER_WARP = TOKENS_PER_PASS // WARPS
-"""Tokens of a pass one warp holds: its lanes 8 r .. 8 r + 7 hold token row r."""
-assert BLOCK_SUM_ORDER == (BLOCK // TOKENS_PER_PASS, WARPS, ROWS_PER_WARP), "quant.BLOCK_SUM_ORDER is this layout's"
+"""Tokens of a pass one warp holds: its lanes 8 r .. 8 r + 7 hold token row r (``quant.BLOCK_SUM_ORDER``)."""
+ROW_BUTTERFLY_OFFSETS = tuple(THREADS_PER_TOKEN << i for i in range(ROWS_PER_WARP.bit_length() - 1))
+"""ChannelSumsPerBlock: the lane offsets that add a warp's token rows pairwise, 8 (rows r and r ^ 1), then 16."""
 MEAN_THREADS = MEAN_SEGMENTS * HEAD_DIM
 """ChannelMean: one thread per (segment, channel)."""
 KEYS_PER_STORE = 16
@@ -278,8 +280,8 @@ class ChannelSumsPerBlock:
             total = values[i, 0, 0]
             for p in cutlass.range_constexpr(1, passes):
                 total = total + values[i, p, 0]
-            for bit in cutlass.range_constexpr(3, 5):
-                total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << bit)
+            for offset in ROW_BUTTERFLY_OFFSETS:
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
             sums[i] = total
         # warp_idx() with the warp converged (see _block_absmax).
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
