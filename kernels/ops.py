@@ -21,7 +21,7 @@ from .quant import BLOCK, num_blocks, smoothing_lse_shift, softmax_scale_or_defa
 from .split import TailSplit, plan_tail_split
 from .forward_only import raise_on_backward
 from .support import HEAD_DIM, KERNEL_DTYPES, KernelUnavailableError, input_unsupported_reason
-from .validation import check_attention_args, check_shared_scales
+from .validation import check_attention_args, check_shared_scales, check_softmax_scale
 
 OUT_DTYPE = torch.bfloat16
 
@@ -87,16 +87,19 @@ def prepare(
     of ``prepare_reference`` from the fused kernels, V residual repair keys included (``prep_ops.prepare``), on
     the current stream. ``softmax_scale`` (default ``1 / sqrt(128)``) weighs the "attention" repair ranking;
     ``v_absmax`` and ``k_mean`` replace this call's own V absmax and K mean, as in ``reference_attention``."""
-    _check_kernel_args(q, k, v, repair_ratio, None, repair_ranking, smooth_k, v_absmax, k_mean)
+    _check_kernel_args(q, k, v, repair_ratio, None, repair_ranking, softmax_scale, smooth_k, v_absmax, k_mean)
     options = PrepareOptions(smooth_k, repair_ratio, repair_ranking, softmax_scale)
     return _prepare_checked(q, k, v, options, v_absmax, k_mean)
 
 
-def _check_kernel_args(q, k, v, repair_ratio, window, repair_ranking, smooth_k, v_absmax, k_mean) -> None:
+def _check_kernel_args(
+    q, k, v, repair_ratio, window, repair_ranking, softmax_scale, smooth_k, v_absmax, k_mean
+) -> None:
     """Every check of a kernel call; the shared scales' values are skipped while a CUDA graph is being captured
     (checking them waits for the device)."""
     check_attention_args(
-        q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking, dtypes=KERNEL_DTYPES
+        q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking,
+        softmax_scale=softmax_scale, dtypes=KERNEL_DTYPES,
     )
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     check_shared_scales(q, k, smooth_k=smooth_k, v_absmax=v_absmax, k_mean=k_mean, values=not capturing)
@@ -218,6 +221,7 @@ def attention_prepared(
     ``tuning``: ``ForwardConfig``'s knobs other than the visiting order (which ``window`` sets) and ``write_lse``
     (which ``return_lse`` sets), for the probes.
     """
+    check_softmax_scale(softmax_scale)
     config = ForwardConfig(plain_order=window is None, write_lse=return_lse, **tuning)
     batch, s_q, heads, _ = out.shape
     lse = torch.empty(batch, heads, s_q, dtype=torch.float32, device=out.device) if return_lse else None
@@ -229,7 +233,7 @@ def attention_prepared(
 def _run(q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean, return_lse):
     """The custom ops' body: the checks, then ``_run_checked``."""
     # The checks run here, inside the op, where torch.compile does not trace (it would stop at the package lookup).
-    _check_kernel_args(q, k, v, repair_ratio, window, repair_ranking, smooth_k, v_absmax, k_mean)
+    _check_kernel_args(q, k, v, repair_ratio, window, repair_ranking, softmax_scale, smooth_k, v_absmax, k_mean)
     return _run_checked(
         q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean, return_lse
     )
@@ -337,7 +341,7 @@ def attention(
     if not compiling:
         # Eager, every check runs here, before any work, on the caller's own values (before the casts below);
         # traced, the floats may be symbolic (dynamic=True), and the op checks them at run time (``_run``).
-        _check_kernel_args(q, k, v, repair_ratio, window, repair_ranking, smooth_k, v_absmax, k_mean)
+        _check_kernel_args(q, k, v, repair_ratio, window, repair_ranking, softmax_scale, smooth_k, v_absmax, k_mean)
     tau = softmax_scale_or_default(softmax_scale, q.shape[-1])
     args = (q, k, v, float(tau), window, bool(smooth_k), float(repair_ratio), repair_ranking, v_absmax, k_mean)
     op = _attention_lse_op if return_lse else _attention_op

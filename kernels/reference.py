@@ -224,7 +224,9 @@ def reference_attention(
     subtract instead of this call's keys' own. A ring of K/V shards passes the all-shards values, so that every
     shard quantizes as the unsplit call does and the shards' ``(out, lse)`` merge (``merge_attention``) into it.
     """
-    check_attention_args(q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking)
+    check_attention_args(
+        q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking, softmax_scale=softmax_scale
+    )
     check_shared_scales(q, k, smooth_k=smooth_k, v_absmax=v_absmax, k_mean=k_mean)
     if accumulation not in ACCUMULATIONS:
         raise ValueError(f"accumulation must be one of {', '.join(map(repr, ACCUMULATIONS))}, got {accumulation!r}")

@@ -6,6 +6,7 @@ and the kernel.
 """
 
 import math
+import numbers
 
 import torch
 
@@ -50,6 +51,7 @@ def check_attention_args(
     repair_ratio: float,
     window: int | None,
     repair_ranking: str = "energy",
+    softmax_scale: float | None = None,
     dtypes: tuple[torch.dtype, ...] = INPUT_DTYPES,
 ) -> None:
     """``check_qkv``, then q's dtype among ``dtypes`` and the Open-VC options; ``ValueError`` otherwise."""
@@ -57,11 +59,27 @@ def check_attention_args(
     if q.dtype not in dtypes:
         raise ValueError(f"q, k, v have dtype {q.dtype}; accepted: {', '.join(map(str, dtypes))}")
     check_repair_ratio(repair_ratio)
+    if softmax_scale is not None:
+        check_softmax_scale(softmax_scale)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise ValueError(f"window must be an int >= 0 or None (plain order), got {window!r}")
     if repair_ranking not in REPAIR_RANKINGS:
         raise ValueError(
             f"repair_ranking must be one of {', '.join(map(repr, REPAIR_RANKINGS))}, got {repair_ranking!r}"
+        )
+
+
+def check_softmax_scale(softmax_scale: float) -> None:
+    """A finite number > 0: ExpCast's running max is the row's largest scaled score only for a positive scale (with
+    a negative one every row's output would be silently wrong), and NaN or inf scales give no scores at all."""
+    if (
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, numbers.Real)
+        or not math.isfinite(softmax_scale)
+        or softmax_scale <= 0
+    ):
+        raise ValueError(
+            f"softmax_scale must be a finite number > 0 (or None: 1 / sqrt(head_dim)), got {softmax_scale!r}"
         )
 
 

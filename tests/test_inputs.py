@@ -4,7 +4,10 @@ backend the policy would pick. tests/test_sm90_gpu.py checks the kernel on the s
 
 import itertools
 import logging
+import math
+import re
 
+import numpy as np
 import pytest
 import torch
 from helpers import exact_attention
@@ -173,3 +176,27 @@ def test_float64_takes_the_fallback(caplog):
     assert torch.equal(out, expected.transpose(1, 2))
     reason = "openvc: dtype torch.float64; Open-VC takes float16, bfloat16, float32"
     assert any(reason in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("scale", [-0.0884, 0.0, -0.0, math.nan, math.inf, True, "0.1"])
+def test_a_softmax_scale_that_is_not_positive_and_finite_is_refused(scale):
+    """A negative scale would make the running max a minimum: the reference's output came out at rel-L2 9.7 from
+    exact attention on N(0, 1) inputs before this check. Every entry point names the value and what it accepts."""
+    q = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
+    accepted = r"softmax_scale must be a finite number > 0 \(or None: 1 / sqrt\(head_dim\)\)"
+    message = f"{accepted}, got {re.escape(repr(scale))}"
+    with pytest.raises(ValueError, match=message):
+        openvc_kernels.reference_attention(q, q, q, softmax_scale=scale)
+    with pytest.raises(ValueError, match=message):  # before the kernel's device check: this is the CPU
+        openvc_kernels.attention(q, q, q, softmax_scale=scale)
+    with pytest.raises(ValueError, match=message):
+        openvc_kernels.prepare(q, q, q, softmax_scale=scale)
+    with pytest.raises(ValueError, match=message):
+        openvc_kernels.attention_prepared(None, q, softmax_scale=scale)
+
+
+def test_positive_scales_of_any_real_type_are_taken(fresh_seed):
+    q, k, v = (torch.randn(1, 64, 2, 128) for _ in range(3))
+    expected = openvc_kernels.reference_attention(q, k, v, softmax_scale=0.25)
+    for scale in (np.float32(0.25), np.float64(0.25), 0.25):
+        assert torch.equal(openvc_kernels.reference_attention(q, k, v, softmax_scale=scale), expected)

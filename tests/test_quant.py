@@ -125,18 +125,20 @@ def _spelled_out_mean(column: list[float]) -> float:
     """``channel_mean`` of one (batch, head, channel) column, each FP32 addition written out in the order
     ``BLOCK_SUM_ORDER`` and ``MEAN_SEGMENTS`` describe."""
     passes, warps, rows = BLOCK_SUM_ORDER
+    block_len = passes * warps * rows
+    token = lambda p, w, r: (p * warps + w) * rows + r  # token = 32 pass + 4 warp + row
     add = lambda a, b: _f32(a + b)
-    n = -(-len(column) // 128)
-    padded = column + [0.0] * (n * 128 - len(column))
+    n = -(-len(column) // block_len)
+    padded = column + [0.0] * (n * block_len - len(column))
     block_sums = []
     for block in range(n):
-        x = padded[block * 128:(block + 1) * 128]
+        x = padded[block * block_len:(block + 1) * block_len]
         row_sums = [[0.0] * rows for _ in range(warps)]
         for w in range(warps):
             for r in range(rows):
-                total = x[4 * w + r]
+                total = x[token(0, w, r)]
                 for p in range(1, passes):
-                    total = add(total, x[32 * p + 4 * w + r])
+                    total = add(total, x[token(p, w, r)])
                 row_sums[w][r] = total
         warp_sums = [add(add(s[0], s[1]), add(s[2], s[3])) for s in row_sums]
         total = warp_sums[0]
