@@ -102,10 +102,13 @@ def check_shared_scales(
     k_mean: torch.Tensor | None,
     values: bool = True,
 ) -> None:
-    """Raise ``ValueError`` unless ``v_absmax`` and ``k_mean`` are None or FP32 tensors on q's device of shapes
-    (B, H) and (B, H, D) for ``(B, S, H, D)`` k, ``k_mean`` only with ``smooth_k``; with ``values``, also finite and
-    ``v_absmax >= 0`` (a check that waits for the device: callers skip it while capturing a CUDA graph)."""
+    """Raise ``ValueError`` unless ``smooth_k`` is a bool and ``v_absmax`` and ``k_mean`` are None or FP32 tensors
+    on q's device of shapes (B, H) and (B, H, D) for ``(B, S, H, D)`` k, ``k_mean`` only with ``smooth_k``; with
+    ``values``, also finite and ``v_absmax >= 0`` (a check that waits for the device: callers skip it while
+    capturing a CUDA graph)."""
     b, _, h, d = k.shape
+    if not isinstance(smooth_k, bool):
+        raise ValueError(f"smooth_k must be True or False, got {smooth_k!r}")
     if k_mean is not None and not smooth_k:
         raise ValueError("k_mean is the mean K smoothing subtracts: pass it with smooth_k=True, or leave it None")
     for name, x, shape in (("v_absmax", v_absmax, (b, h)), ("k_mean", k_mean, (b, h, d))):

@@ -200,3 +200,12 @@ def test_positive_scales_of_any_real_type_are_taken(fresh_seed):
     expected = openvc_kernels.reference_attention(q, k, v, softmax_scale=0.25)
     for scale in (np.float32(0.25), np.float64(0.25), 0.25):
         assert torch.equal(openvc_kernels.reference_attention(q, k, v, softmax_scale=scale), expected)
+
+
+@pytest.mark.parametrize("flag", ["no", 1, None])
+def test_smooth_k_must_be_a_bool(flag):
+    """A truthy string or number would silently turn K smoothing on."""
+    q = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
+    for entry in (openvc_kernels.reference_attention, openvc_kernels.attention, openvc_kernels.prepare):
+        with pytest.raises(ValueError, match=rf"smooth_k must be True or False, got {re.escape(repr(flag))}"):
+            entry(q, q, q, smooth_k=flag)

@@ -9,6 +9,7 @@ from openvc_diffusers.metrics import rel_l2
 
 from openvc_kernels import merge_attention, reference_attention
 from openvc_kernels.expcast import LN2, LOG2_PER_CODE, LSE_CODE_OFFSET, MAX_CODE, expcast_decode
+from openvc_kernels.quant import channel_mean
 
 HEAD_DIM = 128
 TAU = HEAD_DIM**-0.5
@@ -170,7 +171,7 @@ def test_repair_picks_per_shard(fresh_seed):
 
 def test_own_scales_passed_explicitly_change_nothing(fresh_seed):
     q, k, v = _normal(1, 200, 2), _normal(1, 300, 2), _normal(1, 300, 2)
-    v_absmax, k_mean = _shared_scales(k, v)
+    v_absmax, k_mean = _shared_scales(k, v)[0], channel_mean(k)  # the call's own mean, in its summation order
     out, lse = reference_attention(q, k, v, return_lse=True, smooth_k=True)
     given, given_lse = reference_attention(q, k, v, return_lse=True, smooth_k=True, v_absmax=v_absmax, k_mean=k_mean)
     assert torch.equal(out, given) and torch.equal(lse, given_lse)
