@@ -38,8 +38,11 @@ inputs keeps its error in the JSON and the others go on.
 
 JSON (--json): "meta" (GPU, torch and its cuDNN, clocks before and after, the processor's kernel options, the
 peers' versions, the unavailable methods) and one row per shape: "order", then "ms", "tflops" and "clocks_after"
-per timing and method, "host_ms" and "rel_l2_vs_float64" per method, "rel_l2_vs_fa4" (openvc_default) and "errors". The table
-printed last has one line per shape and method.
+per timing and method, "host_ms" and "rel_l2_vs_float64" per method, "rel_l2_vs_fa4" (openvc_default),
+"interleaved" and "errors". The table printed last has one line per shape and method. Before it: what the defaults
+cost over the API call per shape, from the two methods' own timings ("apart") and from "interleaved", openvc_api and
+openvc_default timed once more call by call in turn, both ways, so that each round's pair runs at one clock (under
+the power cap the SM clock moves between two methods' timings, and the comparison is about 2%).
 
 --inputs FILE times the same methods on the Q, K, V that examples/capture.py saved (one row per captured layer
 and step, its own tensors every call; float32 captures are cast to bf16; TFLOP/s = 4 B Sq Sk H D / time).
@@ -102,6 +105,9 @@ METHODS = (
 )
 """Every method, in the table's order (they run in a random one)."""
 TIMINGS = ("back_to_back", "synced")
+PAIRED = ("openvc_api", "openvc_default")
+"""The API call and the processor's defaults, timed once more interleaved, call by call (``time_interleaved``): what
+the defaults cost over the API, with the SM clock's drift under the power cap weighing on both alike."""
 
 PEER_MODULES = {
     "fa4_bf16": "flash_attn.cute",
@@ -191,6 +197,46 @@ def host_ms(fn, sets) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / HOST_CALLS * 1e3
+
+
+def time_interleaved(fns: list, sets, timing: str, budget_ms: float = TIMED_MS) -> list[list[float]]:
+    """Per-call CUDA-event times of each of ``fns``, called in turn over about ``budget_ms`` of calls in all: round i
+    calls each once, in the given order for even i and reversed for odd i (neither always first), on input set
+    i % len(sets). Back to back the calls are synchronized once at the end (``time_ms``); synchronized each one
+    alone (``time_ms_synced``). Round i's times are entry i of each list."""
+    rounds = calls_for(fns[0], sets[0], budget_ms / len(fns))
+    for fn in fns[1:]:
+        fn(*sets[0])  # warm-up
+    synced = timing == "synced"
+    events = []
+    for i in range(rounds):
+        for j in range(len(fns)) if i % 2 == 0 else reversed(range(len(fns))):
+            if synced:
+                torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[j](*sets[i % len(sets)])
+            end.record()
+            events.append((j, start, end))
+    torch.cuda.synchronize()
+    times = [[] for _ in fns]
+    for j, start, end in events:
+        times[j].append(start.elapsed_time(end))
+    return times
+
+
+def bench_interleaved(setups: dict, row: dict) -> None:
+    """``PAIRED`` timed interleaved both ways into ``row["interleaved"][timing]``: each one's median ms and
+    "defaults_over_api", the median over rounds of the defaults' time over the API's in the same round, minus 1."""
+    made = [setups[name]() for name in PAIRED]
+    row["interleaved"] = {}
+    for timing in TIMINGS:
+        api, default = time_interleaved([m.call for m in made], made[0].arg_sets, timing)
+        over = statistics.median(d / a for a, d in zip(api, default)) - 1
+        ms = {name: statistics.median(t) for name, t in zip(PAIRED, (api, default))}
+        row["interleaved"][timing] = {"ms": ms, "defaults_over_api": over}
+        log(f"  interleaved {timing:12s} api {ms['openvc_api']:9.3f} ms, defaults {ms['openvc_default']:9.3f} ms: "
+            f"defaults over api {100 * over:+.2f}% (then: {clocks()})")
 
 
 def timed(timing: str, fn, sets) -> float:
@@ -462,6 +508,8 @@ def bench_sets(sets: list[list[torch.Tensor]], row: dict, methods=METHODS) -> di
     row["host_ms"] = {}
     rows = torch.randint(0, q.shape[1], (SAMPLED_ROWS,), device=q.device)
     sampled = {name: bench_method(name, setups[name], flop, rows, row) for name in order}
+    if all(name in order and name not in row.get("errors", {}) for name in PAIRED):
+        bench_interleaved(setups, row)
 
     exact = sampled_exact(q, k, v, rows)
     row["rel_l2_vs_float64"] = {name: rel_l2(out, exact) for name, out in sampled.items() if out is not None}
@@ -603,6 +651,26 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def overhead_table(rows: list[dict]) -> str:
+    """What the processor's defaults cost over the API call, per shape and timing: from the two methods' own
+    medians (timed apart, each at its own clock) and interleaved (``bench_interleaved``); rows without the
+    interleaved timing are left out (empty: none has it)."""
+    rows = [r for r in rows if "interleaved" in r]
+    if not rows:
+        return ""
+    width = max([11, *(len(r["label"]) for r in rows)])
+    cells = " | ".join(f"{timing + ' ' + how:>20}" for timing in TIMINGS for how in ("apart", "interleaved"))
+    lines = [f"{'S x H':>{width}} | defaults over API: {cells}"]
+    for r in rows:
+        over = []
+        for timing in TIMINGS:
+            api, default = (r["ms"][timing].get(name) for name in PAIRED)
+            over.append("" if None in (api, default) else f"{100 * (default / api - 1):+.2f}%")
+            over.append(f"{100 * r['interleaved'][timing]['defaults_over_api']:+.2f}%")
+        lines.append(f"{r['label']:>{width}} | {'':18} " + " | ".join(f"{cell:>20}" for cell in over))
+    return "\n".join(lines)
+
+
 def timing_cells(row: dict, timing: str, name: str) -> str:
     ms, rate = row["ms"][timing].get(name), row["tflops"][timing].get(name)
     if ms is None:
@@ -706,7 +774,13 @@ def main(argv=None) -> list[dict]:
             rows.append(bench_shape(seq, heads, methods))
         torch.cuda.empty_cache()
     finish_run(meta, rows, args.json)
-    log(repair_table(rows) if args.repair else table(rows))
+    if args.repair:
+        log(repair_table(rows))
+    else:
+        overheads = overhead_table(rows)
+        if overheads:
+            log(overheads)
+        log(table(rows))
     return rows
 
 

@@ -126,6 +126,68 @@ def test_table_has_a_line_per_shape_and_method(bench):
     assert ("step12.layer29", "fa3_bf16              ") not in by_method
 
 
+class FakeEvent:
+    """torch.cuda.Event on the CPU: records the time of a clock that the stand-in calls advance."""
+
+    clock = 0.0
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self):
+        self.at = FakeEvent.clock
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+@pytest.mark.parametrize("timing", ["back_to_back", "synced"])
+def test_interleaved_calls_take_turns_and_pair_by_round(bench, monkeypatch, timing):
+    calls, syncs = [], []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(len(calls)))
+
+    def method(name, ms):
+        def call(x):
+            calls.append((name, x))
+            FakeEvent.clock += ms + 0.01 * len(calls)  # each call a little slower: rounds differ
+
+        return call
+
+    times = bench.time_interleaved([method("api", 1.0), method("defaults", 3.0)], [["set0"], ["set1"]], timing, 16.0)
+    timed = calls[3:]  # after calls_for's two calls of the first and one warm-up call of the second
+    rounds = len(timed) // 2
+    assert rounds == 8 and len(times[0]) == len(times[1]) == rounds  # 16 ms over two methods, 1 ms per call
+    for i in range(rounds):
+        pair = timed[2 * i : 2 * i + 2]
+        assert [name for name, _ in pair] == (["api", "defaults"] if i % 2 == 0 else ["defaults", "api"])
+        assert {x for _, x in pair} == {f"set{i % 2}"}
+        n_api = 3 + 2 * i + (1 if i % 2 == 0 else 2)  # the api call's number among all calls
+        assert times[0][i] == pytest.approx(1.0 + 0.01 * n_api)
+        assert times[1][i] == pytest.approx(3.0 + 0.01 * (n_api + (1 if i % 2 == 0 else -1)))
+    synced_before = [n for n in syncs if n >= 3]
+    if timing == "synced":
+        assert synced_before == list(range(3, 3 + 2 * rounds)) + [3 + 2 * rounds]  # before each call, then once
+    else:
+        assert synced_before == [3 + 2 * rounds]
+
+
+def test_overhead_table_compares_apart_and_interleaved(bench):
+    plain, paired = fake_row("73397x7"), fake_row()
+    paired["ms"]["synced"]["openvc_default"] = 11.0 * 1.035
+    paired["interleaved"] = {
+        "back_to_back": {"ms": {}, "defaults_over_api": 0.0152},
+        "synced": {"ms": {}, "defaults_over_api": 0.0161},
+    }
+    assert bench.overhead_table([plain]) == ""
+    lines = bench.overhead_table([plain, paired]).splitlines()
+    assert len(lines) == 2 and "synced interleaved" in lines[0]
+    assert lines[1].split() == ["32760x12", "|", "+0.00%", "|", "+1.52%", "|", "+3.50%", "|", "+1.61%"]
+
+
 def test_main_writes_meta_and_rows_and_prints_the_table_last(bench, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "stand-in GPU")

@@ -1,0 +1,110 @@
+"""Device probe: where the kernel's repair tiles spend their time (kernel only, settings interleaved call by call).
+
+  no repair                the shipped kernel on inputs prepared without repair keys
+  shipped                  the shipped kernel with the processor's rho (its repair tiles last)
+  not prefetched           the repair keys' descales loaded at their tile from wherever they are (L2), not
+                           prefetched into L1 a tile ahead (``repair_keys``)
+  descales not loaded      repair tiles encoded with one coefficient for every key (s, d_k = 1) instead of each
+                           key's own d_k from global memory: wrong codes, timing only
+  encoded as a real tile   repair tiles through the real tiles' softmax (max, anchor, one d_k): wrong codes, timing
+                           only
+
+Prints each setting's median ms and its time over "no repair" (the median over rounds of the ratio within a round).
+"""
+
+import os
+import statistics
+import sys
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from bench_attention import time_interleaved  # noqa: E402
+
+from openvc_diffusers.config import OpenVCConfig  # noqa: E402
+from openvc_kernels.expcast import CODE_UNIT, MAX_CODE  # noqa: E402
+from openvc_kernels.ops import compile_attention, forward_args, prepare  # noqa: E402
+from openvc_kernels.sm90 import fwd, repair_keys, softmax  # noqa: E402
+from openvc_kernels.sm90.config import ForwardConfig  # noqa: E402
+from openvc_kernels.sm90.fwd import ExpCastAttentionSm90  # noqa: E402
+
+SHAPES = ((32760, 12), (73397, 7))
+BUDGET_MS = 8000
+TAU = 128**-0.5
+
+
+class NotPrefetched(repair_keys.RepairKeys):
+    @cute.jit
+    def prefetch(self, tile: Int32):
+        pass
+
+
+class UnloadedDescales(softmax.ExpCastSoftmax):
+    @cute.jit
+    def encode_repair_keys(self, d_k: cute.Tensor, tiles: cute.Tensor, visits: cutlass.Constexpr):
+        scores, anchor = self.scores, self.anchor
+        unit = Float32(CODE_UNIT)
+        top = Float32(MAX_CODE * CODE_UNIT)
+        coef = self.s * unit
+        for r in cutlass.range_constexpr(2):
+            bias = anchor[r] * unit
+            for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                scores[r, i] = cute.arch.fmin(cute.math.fma(scores[r, i], coef, bias), top)
+
+
+class RealTileEncode(softmax.ExpCastSoftmax):
+    @cute.jit
+    def encode_repair(self, d_k: cute.Tensor, tiles: cute.Tensor, visits, whole: cutlass.Boolean):
+        self.online_codes(False, Int32(0), d_k[0], False)
+
+
+VARIANTS = {
+    "shipped": (softmax.ExpCastSoftmax, repair_keys.RepairKeys),
+    "not prefetched": (softmax.ExpCastSoftmax, NotPrefetched),
+    "descales not loaded": (UnloadedDescales, repair_keys.RepairKeys),
+    "encoded as a real tile": (RealTileEncode, repair_keys.RepairKeys),
+}
+
+
+def compile_variant(rows, keys):
+    class Variant(ExpCastAttentionSm90):
+        softmax_class = rows
+
+    fwd.RepairKeys = keys  # what consume builds while the variant is traced
+    try:
+        return compile_attention(ForwardConfig(), Variant)
+    finally:
+        fwd.RepairKeys = repair_keys.RepairKeys
+
+
+def main():
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(), flush=True)
+    kernels = {name: compile_variant(*classes) for name, classes in VARIANTS.items()}
+    rho = OpenVCConfig().repair_ratio
+    for seq, heads in SHAPES:
+        sets = [[torch.randn(1, seq, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+                for _ in range(2)]
+        out = torch.empty_like(sets[0][0])
+        args = {
+            ratio: [forward_args(prepare(*s, repair_ratio=ratio), out, softmax_scale=TAU, window=4, split_tail=True)
+                    for s in sets]
+            for ratio in (0.0, rho)
+        }
+        calls = {"no repair": lambda i: kernels["shipped"](*args[0.0][i])}
+        for name, kernel in kernels.items():
+            calls[name] = lambda i, kernel=kernel: kernel(*args[rho][i])
+        times = time_interleaved(list(calls.values()), [[0], [1]], "back_to_back", BUDGET_MS)
+        tiles = args[rho][0].repair_tiles
+        print(f"S={seq} H={heads}: {tiles} repair tiles of {args[0.0][0].k8.shape[2] // 128} key tiles")
+        for name, own in zip(calls, times):
+            over = statistics.median(t / base for t, base in zip(own, times[0])) - 1
+            print(f"  {name:24s} {statistics.median(own):9.3f} ms  {100 * over:+6.2f}%", flush=True)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
