@@ -2,8 +2,6 @@
 
   no repair                the shipped kernel on inputs prepared without repair keys
   shipped                  the shipped kernel with the processor's rho (its repair tiles last)
-  not prefetched           the repair keys' descales loaded at their tile from wherever they are (L2), not
-                           prefetched into L1 a tile ahead (``repair_keys``)
   descales not loaded      repair tiles encoded with one coefficient for every key (s, d_k = 1) instead of each
                            key's own d_k from global memory: wrong codes, timing only
   encoded as a real tile   repair tiles through the real tiles' softmax (max, anchor, one d_k): wrong codes, timing
@@ -27,7 +25,7 @@ from bench_attention import time_interleaved  # noqa: E402
 from openvc_diffusers.config import OpenVCConfig  # noqa: E402
 from openvc_kernels.expcast import CODE_UNIT, MAX_CODE  # noqa: E402
 from openvc_kernels.ops import compile_attention, forward_args, prepare  # noqa: E402
-from openvc_kernels.sm90 import fwd, repair_keys, softmax  # noqa: E402
+from openvc_kernels.sm90 import softmax  # noqa: E402
 from openvc_kernels.sm90.config import ForwardConfig  # noqa: E402
 from openvc_kernels.sm90.fwd import ExpCastAttentionSm90  # noqa: E402
 
@@ -36,15 +34,9 @@ BUDGET_MS = 8000
 TAU = 128**-0.5
 
 
-class NotPrefetched(repair_keys.RepairKeys):
-    @cute.jit
-    def prefetch(self, tile: Int32):
-        pass
-
-
 class UnloadedDescales(softmax.ExpCastSoftmax):
     @cute.jit
-    def encode_repair_keys(self, d_k: cute.Tensor, tiles: cute.Tensor, visits: cutlass.Constexpr):
+    def encode_repair_keys(self, d_k: cute.Tensor, tiles: cute.Tensor, first: Int32, visits: cutlass.Constexpr):
         scores, anchor = self.scores, self.anchor
         unit = Float32(CODE_UNIT)
         top = Float32(MAX_CODE * CODE_UNIT)
@@ -57,33 +49,25 @@ class UnloadedDescales(softmax.ExpCastSoftmax):
 
 class RealTileEncode(softmax.ExpCastSoftmax):
     @cute.jit
-    def encode_repair(self, d_k: cute.Tensor, tiles: cute.Tensor, visits, whole: cutlass.Boolean):
-        self.online_codes(False, Int32(0), d_k[0], False)
+    def encode_repair(self, d_k: cute.Tensor, tiles: cute.Tensor, first: Int32, visits, whole: cutlass.Boolean):
+        self.online_codes(False, Int32(0), d_k[first], False)
 
 
-VARIANTS = {
-    "shipped": (softmax.ExpCastSoftmax, repair_keys.RepairKeys),
-    "not prefetched": (softmax.ExpCastSoftmax, NotPrefetched),
-    "descales not loaded": (UnloadedDescales, repair_keys.RepairKeys),
-    "encoded as a real tile": (RealTileEncode, repair_keys.RepairKeys),
-}
+VARIANTS = {"shipped": softmax.ExpCastSoftmax, "descales not loaded": UnloadedDescales,
+            "encoded as a real tile": RealTileEncode}
 
 
-def compile_variant(rows, keys):
+def compile_variant(name: str):
     class Variant(ExpCastAttentionSm90):
-        softmax_class = rows
+        softmax_class = VARIANTS[name]
 
-    fwd.RepairKeys = keys  # what consume builds while the variant is traced
-    try:
-        return compile_attention(ForwardConfig(), Variant)
-    finally:
-        fwd.RepairKeys = repair_keys.RepairKeys
+    return compile_attention(ForwardConfig(), Variant)
 
 
 def main():
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), flush=True)
-    kernels = {name: compile_variant(*classes) for name, classes in VARIANTS.items()}
+    kernels = {name: compile_variant(name) for name in VARIANTS}
     rho = OpenVCConfig().repair_ratio
     for seq, heads in SHAPES:
         sets = [[torch.randn(1, seq, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)]

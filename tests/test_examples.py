@@ -493,6 +493,12 @@ def test_bench_attention_rows_with_stand_in_backends(monkeypatch):
     monkeypatch.setattr(bench, "time_ms", lambda fn, sets, budget_ms=0: (fn(*sets[0]), 2.0)[1])
     monkeypatch.setattr(bench, "time_ms_synced", lambda fn, sets, budget_ms=0: (fn(*sets[0]), 3.0)[1])
     monkeypatch.setattr(bench, "host_ms", lambda fn, sets: (fn(*sets[0]), 0.5)[1])
+
+    def interleaved(fns, sets, timing, budget_ms=0):  # three rounds; the second call 1% slower
+        base = 2.0 if timing == "back_to_back" else 3.0
+        return [[(fn(*sets[0]), base * (1 + 0.01 * j))[1]] * 3 for j, fn in enumerate(fns)]
+
+    monkeypatch.setattr(bench, "time_interleaved", interleaved)
     for name, stand_in in stand_in_backends(bench).items():
         monkeypatch.setattr(bench, name, stand_in)
     q, k, v = (torch.randn(2, s, 2, 128, dtype=torch.bfloat16) for s in (200, 150, 150))
@@ -513,6 +519,10 @@ def test_bench_attention_rows_with_stand_in_backends(monkeypatch):
     assert 0.02 < errors["cudnn_fp8_prequantized"] < 0.1  # its E4M3 output adds to it
     assert 0.04 < row["rel_l2_vs_fa4"] < 0.08
     assert "step0.layer1 | openvc_kernel          |     2.000" in bench.table([row])
+    assert row["interleaved"]["synced"]["ms"] == {"openvc_api": 3.0, "openvc_default": pytest.approx(3.03)}
+    assert row["interleaved"]["back_to_back"]["defaults_over_api"] == pytest.approx(0.01)
+    overheads = bench.overhead_table([row]).splitlines()[1].split()  # apart, interleaved, for each timing
+    assert overheads[-7:] == ["+0.00%", "|", "+1.00%", "|", "+0.00%", "|", "+1.00%"]
 
     def refuse(q, k, v, **options):
         raise ValueError("head_dim must be 128")
@@ -522,7 +532,7 @@ def test_bench_attention_rows_with_stand_in_backends(monkeypatch):
     row = bench.bench_sets([[q, k, v]], {"seq": 200, "heads": 2, "label": "refused"})
     assert sorted(row["errors"]) == ["openvc_api", "openvc_default", "openvc_kernel", "openvc_prepare"]
     assert "openvc_api" not in row["ms"]["synced"] and row["ms"]["synced"]["fa4_bf16"] == 3.0
-    assert "openvc_api" not in row["rel_l2_vs_float64"] and "rel_l2_vs_fa4" not in row
+    assert "openvc_api" not in row["rel_l2_vs_float64"] and "rel_l2_vs_fa4" not in row and "interleaved" not in row
     assert "refused | openvc_api             |    failed" in bench.table([row])
 
     row = bench.bench_sets([[q, k, v]], {"seq": 200, "heads": 2, "label": "some"}, ["fa4_bf16", "cudnn_bf16"])

@@ -45,7 +45,6 @@ from .ptx import mul_rn
 from .barriers import NamedBarrier
 from .config import ForwardConfig
 from .layout import PV_N
-from .repair_keys import RepairKeys
 
 FP8 = cutlass.Float8E4M3FN
 TILE_M = BLOCK
@@ -104,12 +103,13 @@ class Visit(NamedTuple):
 
 
 class Keys(NamedTuple):
-    """What a consumer knows of the keys besides their tiles: the K descales of the real tiles (n_k,), the repair
-    keys' descales and tokens' tiles (``repair_keys``), the last real tile, and how many real keys it holds (the
+    """What a consumer knows of the keys besides their tiles: the K descales of the real tiles (n_k,) and of the
+    repair keys (R,), the repair keys' tokens' tiles (R,), the last real tile, and how many real keys it holds (the
     rest are padding)."""
 
     d_k: cute.Tensor
-    repair: RepairKeys
+    d_k_repair: cute.Tensor
+    tile_repair: cute.Tensor
     last_tile: Int32
     last_valid: Int32
 
@@ -476,9 +476,7 @@ class ExpCastAttentionSm90:
         key_coords = softmax.rows_view(thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
         rows = self.softmax_class(acc_s, key_coords, mul_rn(codes_per_dot, d_q[m_block]))
         last_tile = visit.n_k - 1
-        repair = RepairKeys(d_k_repair, tile_repair, repair_tiles, tidx % WG_THREADS)
-        repair.prefetch(Int32(0))
-        keys = Keys(d_k, repair, last_tile, seqlen_k - last_tile * TILE_N)
+        keys = Keys(d_k, d_k_repair, tile_repair, last_tile, seqlen_k - last_tile * TILE_N)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_q.consumer_wait(q_state)
@@ -544,8 +542,6 @@ class ExpCastAttentionSm90:
         """
         prev = state.clone()
         state.advance()
-        if const_expr(repair):
-            keys.repair.prefetch(j - visit.n_real + 1)
         pipeline_k.consumer_wait(state)
         if const_expr(self.config.pingpong):
             cute.arch.barrier(barrier_id=NamedBarrier.SCHEDULER + wg, number_of_threads=2 * WG_THREADS)
@@ -559,7 +555,7 @@ class ExpCastAttentionSm90:
         if const_expr(repair):
             visits = functools.partial(self.piece_visits, visit=visit)
             whole = visit.n_real == visit.n_k
-            rows.encode_repair(*keys.repair.of_tile(j - visit.n_real), visits, whole)
+            rows.encode_repair(keys.d_k_repair, keys.tile_repair, (j - visit.n_real) * TILE_N, visits, whole)
         else:
             tile = self.tile_at(visit.first + j, visit)
             rows.online_codes(tile == keys.last_tile, keys.last_valid, keys.d_k[tile], False)

@@ -140,12 +140,12 @@ class ExpCastSoftmax:
                 scores[r, i] = cute.math.fma(scores[r, i], coef, bias)
 
     @cute.jit
-    def encode_repair(self, d_k: cute.Tensor, tiles: cute.Tensor, visits, whole: cutlass.Boolean):
-        """A repair tile: ``encode`` with a coefficient per key (``d_k[column]``, the tile's keys' descales: repair
-        keys come from any block) on the row's final anchor, which the tile does not move (alpha = 1); code 0 for
-        the keys whose token's tile (``tiles[column]``) this CTA did not visit (``visits(tile)`` false: another
-        piece's keys). ``whole``: this CTA visits every tile (an unsplit unit), so every key is its own and neither
-        ``tiles`` nor ``visits`` is read. ``d_k`` and ``tiles`` (128,) are the tile's keys' (``repair_keys``).
+    def encode_repair(self, d_k: cute.Tensor, tiles: cute.Tensor, first: Int32, visits, whole: cutlass.Boolean):
+        """A repair tile: ``encode`` with a coefficient per key (``d_k[first + column]``: repair keys come from any
+        block) on the row's final anchor, which the tile does not move (alpha = 1); code 0 for the keys whose token's
+        tile (``tiles[first + column]``) this CTA did not visit (``visits(tile)`` false: another piece's keys).
+        ``whole``: this CTA visits every tile (an unsplit unit), so every key is its own and neither ``tiles`` nor
+        ``visits`` is read.
 
         A repair key's score equals that of the real key it copies, which this CTA visited, so its code stays at or
         below the row max's; the zero keys padding the last repair tile score 0, which a row whose scores are all
@@ -154,19 +154,19 @@ class ExpCastSoftmax:
         """
         self.alpha.fill(1.0)
         if whole:
-            self.encode_repair_keys(d_k, tiles, None)
+            self.encode_repair_keys(d_k, tiles, first, None)
         else:
-            self.encode_repair_keys(d_k, tiles, visits)
+            self.encode_repair_keys(d_k, tiles, first, visits)
 
     @cute.jit
-    def encode_repair_keys(self, d_k: cute.Tensor, tiles: cute.Tensor, visits: cutlass.Constexpr):
+    def encode_repair_keys(self, d_k: cute.Tensor, tiles: cute.Tensor, first: Int32, visits: cutlass.Constexpr):
         """``encode_repair``'s codes; ``visits`` None keeps every key (one path per case, each fully unrolled)."""
         scores, key_coords, anchor, s = self.scores, self.key_coords, self.anchor, self.s
         unit = Float32(CODE_UNIT)
         top = Float32(MAX_CODE * CODE_UNIT)
         biases = [anchor[r] * unit for r in range(2)]
         for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-            key = key_coords[0, i][1]
+            key = first + key_coords[0, i][1]
             coef = mul_rn(s, d_k[key]) * unit
             if const_expr(visits is None):
                 for r in cutlass.range_constexpr(2):
