@@ -229,14 +229,15 @@ def bench_interleaved(setups: dict, row: dict) -> None:
     """``PAIRED`` timed interleaved both ways into ``row["interleaved"][timing]``: each one's median ms and
     "defaults_over_api", the median over rounds of the defaults' time over the API's in the same round, minus 1."""
     made = [setups[name]() for name in PAIRED]
-    row["interleaved"] = {}
+    interleaved = {}
     for timing in TIMINGS:
         api, default = time_interleaved([m.call for m in made], made[0].arg_sets, timing)
         over = statistics.median(d / a for a, d in zip(api, default)) - 1
         ms = {name: statistics.median(t) for name, t in zip(PAIRED, (api, default))}
-        row["interleaved"][timing] = {"ms": ms, "defaults_over_api": over}
+        interleaved[timing] = {"ms": ms, "defaults_over_api": over}
         log(f"  interleaved {timing:12s} api {ms['openvc_api']:9.3f} ms, defaults {ms['openvc_default']:9.3f} ms: "
             f"defaults over api {100 * over:+.2f}% (then: {clocks()})")
+    row["interleaved"] = interleaved  # both timings or none
 
 
 def timed(timing: str, fn, sets) -> float:
@@ -509,7 +510,11 @@ def bench_sets(sets: list[list[torch.Tensor]], row: dict, methods=METHODS) -> di
     rows = torch.randint(0, q.shape[1], (SAMPLED_ROWS,), device=q.device)
     sampled = {name: bench_method(name, setups[name], flop, rows, row) for name in order}
     if all(name in order and name not in row.get("errors", {}) for name in PAIRED):
-        bench_interleaved(setups, row)
+        try:
+            bench_interleaved(setups, row)
+        except Exception as e:  # as in bench_method: keep the rest of the row
+            row.setdefault("errors", {})["interleaved"] = f"{type(e).__name__}: {e}"
+            log(f"  interleaved failed: {row['errors']['interleaved']}")
 
     exact = sampled_exact(q, k, v, rows)
     row["rel_l2_vs_float64"] = {name: rel_l2(out, exact) for name, out in sampled.items() if out is not None}

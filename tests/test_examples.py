@@ -538,6 +538,18 @@ def test_bench_attention_rows_with_stand_in_backends(monkeypatch):
     row = bench.bench_sets([[q, k, v]], {"seq": 200, "heads": 2, "label": "some"}, ["fa4_bf16", "cudnn_bf16"])
     assert sorted(row["order"]) == sorted(row["ms"]["synced"]) == ["cudnn_bf16", "fa4_bf16"]
 
+    def fails_when_synced(fns, sets, timing, budget_ms=0):
+        if timing == "synced":
+            raise RuntimeError("CUDA out of memory")
+        return interleaved(fns, sets, timing)
+
+    monkeypatch.setattr(bench, "time_interleaved", fails_when_synced)
+    monkeypatch.setattr(bench, "prepare", stand_in_backends(bench)["prepare"])
+    monkeypatch.setattr(bench, "attention", stand_in_backends(bench)["attention"])
+    row = bench.bench_sets([[q, k, v]], {"seq": 200, "heads": 2, "label": "oom"}, list(bench.PAIRED))
+    assert row["errors"] == {"interleaved": "RuntimeError: CUDA out of memory"} and "interleaved" not in row
+    assert row["ms"]["synced"] == dict.fromkeys(bench.PAIRED, 3.0)  # the methods' own timings stay
+
 
 def stand_in_backends(bench) -> dict:
     """CPU stand-ins, by the name ``bench`` calls them by, for every backend of examples/bench_attention.py."""
