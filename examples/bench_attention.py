@@ -225,6 +225,12 @@ def time_interleaved(fns: list, sets, timing: str, budget_ms: float = TIMED_MS) 
     return times
 
 
+def median_over(times: list[float], base: list[float]) -> float:
+    """How much longer ``times`` took than ``base``, timed interleaved (``time_interleaved``): the median over rounds
+    of the ratio within a round, minus 1."""
+    return statistics.median(t / b for t, b in zip(times, base)) - 1
+
+
 def bench_interleaved(setups: dict, row: dict) -> None:
     """``PAIRED`` timed interleaved both ways into ``row["interleaved"][timing]``: each one's median ms and
     "defaults_over_api", the median over rounds of the defaults' time over the API's in the same round, minus 1."""
@@ -232,7 +238,7 @@ def bench_interleaved(setups: dict, row: dict) -> None:
     interleaved = {}
     for timing in TIMINGS:
         api, default = time_interleaved([m.call for m in made], made[0].arg_sets, timing)
-        over = statistics.median(d / a for a, d in zip(api, default)) - 1
+        over = median_over(default, api)
         ms = {name: statistics.median(t) for name, t in zip(PAIRED, (api, default))}
         interleaved[timing] = {"ms": ms, "defaults_over_api": over}
         log(f"  interleaved {timing:12s} api {ms['openvc_api']:9.3f} ms, defaults {ms['openvc_default']:9.3f} ms: "

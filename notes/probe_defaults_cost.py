@@ -14,7 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from bench_attention import TIMINGS, time_interleaved  # noqa: E402
+from bench_attention import TIMINGS, median_over, time_interleaved  # noqa: E402
 
 from openvc_diffusers.config import OpenVCConfig  # noqa: E402
 from openvc_kernels import attention, attention_prepared, prepare  # noqa: E402
@@ -25,7 +25,7 @@ BUDGET_MS = 6000
 
 def report(label: str, names: list[str], times: list[list[float]]) -> None:
     for name, own in zip(names, times):
-        over = statistics.median(t / first for t, first in zip(own, times[0])) - 1
+        over = median_over(own, times[0])
         print(f"  {label:12s} {name:28s} {statistics.median(own):9.3f} ms  {100 * over:+6.2f}%", flush=True)
 
 

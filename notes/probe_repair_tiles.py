@@ -20,7 +20,7 @@ import torch
 from cutlass import Float32, Int32
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from bench_attention import time_interleaved  # noqa: E402
+from bench_attention import median_over, time_interleaved  # noqa: E402
 
 from openvc_diffusers.config import OpenVCConfig  # noqa: E402
 from openvc_kernels.expcast import CODE_UNIT, MAX_CODE  # noqa: E402
@@ -85,7 +85,7 @@ def main():
         tiles = args[rho][0].repair_tiles
         print(f"S={seq} H={heads}: {tiles} repair tiles of {args[0.0][0].k8.shape[2] // 128} key tiles")
         for name, own in zip(calls, times):
-            over = statistics.median(t / base for t, base in zip(own, times[0])) - 1
+            over = median_over(own, times[0])
             print(f"  {name:24s} {statistics.median(own):9.3f} ms  {100 * over:+6.2f}%", flush=True)
         torch.cuda.empty_cache()
 
