@@ -2,6 +2,8 @@
 
   no repair                the shipped kernel on inputs prepared without repair keys
   shipped                  the shipped kernel with the processor's rho (its repair tiles last)
+  loaded at the tile       each thread loads its 32 columns' descales at the tile, after the wgmmas (the kernel
+                           before ``softmax.REPAIR_KEYS_PER_LANE``'s shuffles): whole units only, timing only
   descales not loaded      repair tiles encoded with one coefficient for every key (s, d_k = 1) instead of each
                            key's own d_k from global memory: wrong codes, timing only
   encoded as a real tile   repair tiles through the real tiles' softmax (max, anchor, one d_k): wrong codes, timing
@@ -25,6 +27,7 @@ from bench_attention import median_over, time_interleaved  # noqa: E402
 from openvc_diffusers.config import OpenVCConfig  # noqa: E402
 from openvc_kernels.expcast import CODE_UNIT, MAX_CODE  # noqa: E402
 from openvc_kernels.ops import compile_attention, forward_args, prepare  # noqa: E402
+from openvc_kernels.sm90.ptx import mul_rn  # noqa: E402
 from openvc_kernels.sm90 import softmax  # noqa: E402
 from openvc_kernels.sm90.config import ForwardConfig  # noqa: E402
 from openvc_kernels.sm90.fwd import ExpCastAttentionSm90  # noqa: E402
@@ -34,9 +37,32 @@ BUDGET_MS = 8000
 TAU = 128**-0.5
 
 
+class LoadedAtTheTile(softmax.ExpCastSoftmax):
+    """Each thread loads its 32 columns' descales at the tile, after its wgmmas (the kernel of 2026-12-01)."""
+
+    @cute.jit
+    def load_repair_keys(self, d_k: cute.Tensor, first: Int32):
+        self.at_the_tile = (d_k, first)  # read while the same step is traced
+
+    @cute.jit
+    def encode_repair_keys(self, token_tiles, visits: cutlass.Constexpr):
+        d_k, first = self.at_the_tile
+        scores, anchor, s = self.scores, self.anchor, self.s
+        unit = Float32(CODE_UNIT)
+        top = Float32(MAX_CODE * CODE_UNIT)
+        for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+            coef = mul_rn(s, d_k[first + self.key_coords[0, i][1]]) * unit
+            for r in cutlass.range_constexpr(2):
+                scores[r, i] = cute.arch.fmin(cute.math.fma(scores[r, i], coef, anchor[r] * unit), top)
+
+
 class UnloadedDescales(softmax.ExpCastSoftmax):
     @cute.jit
-    def encode_repair_keys(self, d_k: cute.Tensor, tiles: cute.Tensor, first: Int32, visits: cutlass.Constexpr):
+    def load_repair_keys(self, d_k: cute.Tensor, first: Int32):
+        pass
+
+    @cute.jit
+    def encode_repair_keys(self, token_tiles, visits: cutlass.Constexpr):
         scores, anchor = self.scores, self.anchor
         unit = Float32(CODE_UNIT)
         top = Float32(MAX_CODE * CODE_UNIT)
@@ -49,12 +75,16 @@ class UnloadedDescales(softmax.ExpCastSoftmax):
 
 class RealTileEncode(softmax.ExpCastSoftmax):
     @cute.jit
-    def encode_repair(self, d_k: cute.Tensor, tiles: cute.Tensor, first: Int32, visits, whole: cutlass.Boolean):
-        self.online_codes(False, Int32(0), d_k[first], False)
+    def encode_repair(self, tiles: cute.Tensor, first: Int32, visits, whole: cutlass.Boolean):
+        self.online_codes(False, Int32(0), self.repair_d_k[0], False)
 
 
-VARIANTS = {"shipped": softmax.ExpCastSoftmax, "descales not loaded": UnloadedDescales,
-            "encoded as a real tile": RealTileEncode}
+VARIANTS = {
+    "shipped": softmax.ExpCastSoftmax,
+    "loaded at the tile": LoadedAtTheTile,
+    "descales not loaded": UnloadedDescales,
+    "encoded as a real tile": RealTileEncode,
+}
 
 
 def compile_variant(name: str):

@@ -542,6 +542,9 @@ class ExpCastAttentionSm90:
         """
         prev = state.clone()
         state.advance()
+        if const_expr(repair):
+            # Before the wgmmas: the loads' L2 latency passes under them.
+            rows.load_repair_keys(keys.d_k_repair, (j - visit.n_real) * TILE_N)
         pipeline_k.consumer_wait(state)
         if const_expr(self.config.pingpong):
             cute.arch.barrier(barrier_id=NamedBarrier.SCHEDULER + wg, number_of_threads=2 * WG_THREADS)
@@ -554,8 +557,7 @@ class ExpCastAttentionSm90:
         pipeline_k.consumer_release(state)
         if const_expr(repair):
             visits = functools.partial(self.piece_visits, visit=visit)
-            whole = visit.n_real == visit.n_k
-            rows.encode_repair(keys.d_k_repair, keys.tile_repair, (j - visit.n_real) * TILE_N, visits, whole)
+            rows.encode_repair(keys.tile_repair, (j - visit.n_real) * TILE_N, visits, visit.n_real == visit.n_k)
         else:
             tile = self.tile_at(visit.first + j, visit)
             rows.online_codes(tile == keys.last_tile, keys.last_valid, keys.d_k[tile], False)

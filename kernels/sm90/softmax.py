@@ -13,6 +13,8 @@ each code (0..120) in the low byte of a 16-bit half; one PRMT gathers four of th
 Per score: one FFMA, half a conversion, a quarter PRMT (the clip costs nothing).
 """
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr
@@ -23,6 +25,25 @@ from .ptx import byte_perm, mul_rn, pack_codes_f16
 
 HALF_LOW_BYTES = 0x6420
 """prmt selector: bytes 0 and 2 of each word (the low bytes of its two FP16 halves), the first word's first."""
+REPAIR_KEYS_PER_LANE = 4
+"""Repair keys a lane loads the descale (and, in a piece, the token's tile) of per repair tile. A thread's 32 score
+columns are the keys ``2 t + e + 8 c`` of its quad position t, the same for the 8 row groups of its warp; so lane
+(g, t) of the warp loads those of columns ``4 g .. 4 g + 3`` (``repair_key_source``) and the others take them by
+shuffle: 4 loads a lane instead of 32. The descales are loaded before the tile's wgmmas, so that L2's latency passes
+under them, held in 4 registers, where 32 would not fit beside the accumulators (ptxas spilled)."""
+REPAIR_GROUP_KEYS = 16
+"""Keys from a lane's slot p to the next row group's: column 4 g + p is column p's key plus 16 g (column i + 4 is
+c + 2: 16 keys on)."""
+QUAD_SEGMENT = (0b00011 << 8) | 31
+"""``shfl.sync.idx``'s c operand (segment mask in bits 8-12, clamp in 0-4) that keeps the source lane's quad
+position (lane bits 0-1) from the reading lane and takes bits 2-4 from b: source ``t + b`` for b = 4 g, an
+immediate, so the shuffles need no register for their source lanes."""
+
+
+def repair_key_source(column: int) -> tuple[int, int]:
+    """Who loads the repair key of a thread's score ``column`` (``rows_view``'s: ``e + 2 c``): the row group g of
+    the lane in its warp (at the thread's quad position) and the slot in that lane, ``column = 4 g + slot``."""
+    return column // REPAIR_KEYS_PER_LANE, column % REPAIR_KEYS_PER_LANE
 
 
 def rows_view(acc: cute.Tensor) -> cute.Tensor:
@@ -87,6 +108,8 @@ class ExpCastSoftmax:
         self.pending = cute.make_rmem_tensor((2,), Float32)
         self.pending.fill(1.0)
         self.s = s
+        # This lane's repair keys' descales of the coming repair tile (``load_repair_keys``).
+        self.repair_d_k = cute.make_rmem_tensor((REPAIR_KEYS_PER_LANE,), Float32)
 
     @cute.jit
     def online_codes(
@@ -140,12 +163,25 @@ class ExpCastSoftmax:
                 scores[r, i] = cute.math.fma(scores[r, i], coef, bias)
 
     @cute.jit
-    def encode_repair(self, d_k: cute.Tensor, tiles: cute.Tensor, first: Int32, visits, whole: cutlass.Boolean):
-        """A repair tile: ``encode`` with a coefficient per key (``d_k[first + column]``: repair keys come from any
-        block) on the row's final anchor, which the tile does not move (alpha = 1); code 0 for the keys whose token's
-        tile (``tiles[first + column]``) this CTA did not visit (``visits(tile)`` false: another piece's keys).
-        ``whole``: this CTA visits every tile (an unsplit unit), so every key is its own and neither ``tiles`` nor
-        ``visits`` is read.
+    def load_repair_keys(self, d_k: cute.Tensor, first: Int32):
+        """Start loading the K descales (``d_k``, the head's R) of this lane's ``REPAIR_KEYS_PER_LANE`` keys of the
+        repair tile whose keys start at ``first``. Called before the tile's wgmmas, read in ``encode_repair``."""
+        descales = self.repair_d_k
+        for p in cutlass.range_constexpr(REPAIR_KEYS_PER_LANE):
+            descales[p] = d_k[self.repair_key(first, p)]
+
+    def repair_key(self, first: Int32, slot: int) -> Int32:
+        """The key this lane loads into ``slot``: that of score column ``4 g + slot`` (g: the lane's row group in its
+        warp), column ``slot``'s key plus ``REPAIR_GROUP_KEYS g``."""
+        return first + self.key_coords[0, slot][1] + REPAIR_GROUP_KEYS * (cute.arch.lane_idx() // 4)
+
+    @cute.jit
+    def encode_repair(self, tiles: cute.Tensor, first: Int32, visits, whole: cutlass.Boolean):
+        """A repair tile: ``encode`` with a coefficient per key (each key's own descale: repair keys come from any
+        block; ``load_repair_keys``) on the row's final anchor, which the tile does not move (alpha = 1); code 0 for
+        the keys whose token's tile (``tiles``, the head's R, from ``first``) this CTA did not visit
+        (``visits(tile)`` false: another piece's keys). ``whole``: this CTA visits every tile (an unsplit unit), so
+        every key is its own and neither ``tiles`` nor ``visits`` is read.
 
         A repair key's score equals that of the real key it copies, which this CTA visited, so its code stays at or
         below the row max's; the zero keys padding the last repair tile score 0, which a row whose scores are all
@@ -154,25 +190,31 @@ class ExpCastSoftmax:
         """
         self.alpha.fill(1.0)
         if whole:
-            self.encode_repair_keys(d_k, tiles, first, None)
+            self.encode_repair_keys(None, None)
         else:
-            self.encode_repair_keys(d_k, tiles, first, visits)
+            token_tiles = cute.make_rmem_tensor((REPAIR_KEYS_PER_LANE,), Int32)
+            for p in cutlass.range_constexpr(REPAIR_KEYS_PER_LANE):
+                token_tiles[p] = tiles[self.repair_key(first, p)]
+            self.encode_repair_keys(token_tiles, visits)
 
     @cute.jit
-    def encode_repair_keys(self, d_k: cute.Tensor, tiles: cute.Tensor, first: Int32, visits: cutlass.Constexpr):
-        """``encode_repair``'s codes; ``visits`` None keeps every key (one path per case, each fully unrolled)."""
-        scores, key_coords, anchor, s = self.scores, self.key_coords, self.anchor, self.s
+    def encode_repair_keys(self, token_tiles: cute.Tensor | None, visits: cutlass.Constexpr):
+        """``encode_repair``'s codes; ``visits`` None keeps every key (one path per case, each fully unrolled). Each
+        column's descale (and token's tile, ``token_tiles``: this lane's) comes by shuffle from the lane that loaded
+        it (``repair_key_source``)."""
+        scores, anchor, s, descales = self.scores, self.anchor, self.s, self.repair_d_k
         unit = Float32(CODE_UNIT)
         top = Float32(MAX_CODE * CODE_UNIT)
         biases = [anchor[r] * unit for r in range(2)]
         for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-            key = first + key_coords[0, i][1]
-            coef = mul_rn(s, d_k[key]) * unit
+            group, slot = repair_key_source(i)
+            share = functools.partial(cute.arch.shuffle_sync, offset=4 * group, mask_and_clamp=QUAD_SEGMENT)
+            coef = mul_rn(s, share(descales[slot])) * unit
             if const_expr(visits is None):
                 for r in cutlass.range_constexpr(2):
                     scores[r, i] = cute.arch.fmin(cute.math.fma(scores[r, i], coef, biases[r]), top)
             else:
-                kept = visits(tiles[key])
+                kept = visits(share(token_tiles[slot]))
                 for r in cutlass.range_constexpr(2):
                     code = cute.arch.fmin(cute.math.fma(scores[r, i], coef, biases[r]), top)
                     scores[r, i] = code if kept else Float32(0.0)
