@@ -127,6 +127,7 @@ def build_failure(
         prep_ops.load_kernels(dtype, smooth_k=smooth_k, energy=repair)
         if smooth_k:
             prep_ops.load_prep("channel_sums_per_block", dtype)
+            prep_ops.load_prep("absmax_and_channel_sums", dtype)
             prep_ops.load_prep("channel_mean")
         if repair:
             # Both variants of the tokens' choice: which one runs depends on S (prep_ops.select_kind), and this

@@ -19,7 +19,9 @@ from .quant import BLOCK, code_span_numerator, num_blocks, softmax_scale_or_defa
 from .repair import repair_count, repair_score
 from .sm90.guards import DescaleGuards
 from .sm90.layout import HEAD_DIM, PV_N
-from .sm90.prep import AbsmaxPerHead, ChannelMean, ChannelSumsPerBlock, PackV, QuantizePerBlock, RepairRows
+from .sm90.prep import (
+    AbsmaxAndChannelSums, AbsmaxPerHead, ChannelMean, ChannelSumsPerBlock, PackV, QuantizePerBlock, RepairRows
+)
 from .sm90.select import RESIDENT_MAX_TOKENS, SelectRepairTokens
 from .sm90.target import COMPILE_OPTIONS, row_major_fake
 
@@ -29,13 +31,14 @@ TORCH_TO_CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Flo
 
 PREP_KINDS = (
     "channel_sums_per_block", "channel_mean", "quantize_per_block", "quantize_centered_per_block",
-    "absmax_per_head", "pack_v", "pack_v_energy", "select_repair_tokens", "select_repair_tokens_resident",
-    "repair_rows", "descale_guards",
+    "absmax_per_head", "absmax_and_channel_sums", "pack_v", "pack_v_energy", "select_repair_tokens",
+    "select_repair_tokens_resident", "repair_rows", "descale_guards",
 )
 """The compiled kernels: K's channel mean in two passes (smooth_k), quantize Q or K, K minus its channel mean,
-V's absmax, packed V without and with the residual energies, for V residual repair the choice of its tokens
-(reading the score row from global memory in every pass, or, for S <= ``RESIDENT_MAX_TOKENS``, once into shared
-memory: ``select_kind``) and their repair keys, and the descale guards (``sm90.guards``)."""
+V's absmax (alone, or with the mean's first pass over K), packed V without and with the residual energies, for V
+residual repair the choice of its tokens (reading the score row from global memory in every pass, or, for
+S <= ``RESIDENT_MAX_TOKENS``, once into shared memory: ``select_kind``) and their repair keys, and the descale
+guards (``sm90.guards``)."""
 DTYPE_FREE_KINDS = ("channel_mean", "select_repair_tokens", "select_repair_tokens_resident", "descale_guards")
 """Kernels that never read the fp16/bf16 inputs (only FP32 sums, scores or descales): compiled once, for no input
 dtype (None)."""
@@ -104,6 +107,9 @@ def compile_prep(kind: str, dtype: torch.dtype | None = None):
         args = (QuantizePerBlock(), x, x8, d, mean)
     elif kind == "absmax_per_head":
         args = (AbsmaxPerHead(), x, per_head)
+    elif kind == "absmax_and_channel_sums":
+        sums = row_major_fake(Float32, (b, h, cute.sym_int(), HEAD_DIM), 16)
+        args = (AbsmaxAndChannelSums(), x, _input_fake(TORCH_TO_CUTLASS[dtype]), per_head, sums)
     elif kind == "repair_rows":
         s_all, n_k, repair_keys = cute.sym_int(divisibility=BLOCK), cute.sym_int(), cute.sym_int(divisibility=BLOCK)
         args = (
@@ -173,13 +179,15 @@ def prepare_into(
 
     Five launches on the current stream (four with ``v_absmax``): V's absmax, pack V, quantize Q, quantize K, then
     the descale guards in place on ``out.d_q`` and ``out.d_v`` (``sm90.guards``); K smoothing without ``k_mean``
-    adds K's mean (``channel_mean``, two launches) before Q's. Nothing waits on the host, so a call can be captured
-    in a CUDA graph.
+    adds K's mean before Q's: its first pass over K in V's absmax launch (``sm90.prep.AbsmaxAndChannelSums``; a
+    launch of its own with ``v_absmax``), then one launch (``ChannelMean``). Nothing waits on the host, so a call
+    can be captured in a CUDA graph.
     """
     kernels = load_kernels(q.dtype, smooth_k=smooth_k, energy=residual_energy is not None)
     ready_q, ready_k, ready_v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
-    _launch_v(kernels, ready_v, out, residual_energy, v_absmax)
-    mean_k = smoothing_mean(ready_k, k_mean) if smooth_k else None
+    k_for_sums = ready_k if smooth_k and k_mean is None else None
+    k_sums = _launch_v(kernels, ready_v, k_for_sums, out, residual_energy, v_absmax)
+    mean_k = smoothing_mean(ready_k, k_mean, k_sums) if smooth_k else None
     _launch_qk(kernels, ready_q, ready_k, out, mean_k, softmax_scale)
     return out
 
@@ -188,30 +196,53 @@ def channel_mean(k: torch.Tensor) -> torch.Tensor:
     """``quant.channel_mean`` of ``(B, S, H, 128)`` fp16/bf16 k, bit for bit, in two launches
     (``sm90.prep.ChannelSumsPerBlock``, ``ChannelMean``) on the current stream: ``(B, H, 128)`` FP32."""
     k = _kernel_ready(k)
-    batch, seq_len, heads, _ = k.shape
-    sums = torch.empty(batch, heads, num_blocks(seq_len), HEAD_DIM, dtype=torch.float32, device=k.device)
+    sums = _empty_block_sums(k)
     load_prep("channel_sums_per_block", k.dtype)(k, sums)
-    mean = torch.empty(batch, heads, HEAD_DIM, dtype=torch.float32, device=k.device)
+    return _mean_of_block_sums(sums, k.shape[1])
+
+
+def _empty_block_sums(k: torch.Tensor) -> torch.Tensor:
+    """Room for ``ChannelSumsPerBlock``'s sums of ``(B, S, H, 128)`` k: ``(B, H, n_blocks, 128)`` FP32."""
+    batch, seq_len, heads, _ = k.shape
+    return torch.empty(batch, heads, num_blocks(seq_len), HEAD_DIM, dtype=torch.float32, device=k.device)
+
+
+def _mean_of_block_sums(sums: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """K's channel mean from its block sums, one launch (``sm90.prep.ChannelMean``): ``(B, H, 128)`` FP32."""
+    mean = torch.empty(sums.shape[0], sums.shape[1], HEAD_DIM, dtype=torch.float32, device=sums.device)
     load_prep("channel_mean")(sums, mean, seq_len)
     return mean
 
 
-def smoothing_mean(k: torch.Tensor, k_mean: torch.Tensor | None = None) -> torch.Tensor:
-    """``quant.smoothing_mean`` on the GPU: ``k_mean`` where given, else ``channel_mean(k)``."""
-    return k_mean.contiguous() if k_mean is not None else channel_mean(k)
+def smoothing_mean(
+    k: torch.Tensor, k_mean: torch.Tensor | None = None, block_sums: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``quant.smoothing_mean`` on the GPU: ``k_mean`` where given, else K's channel mean, from ``block_sums``
+    where a launch wrote them already (``_launch_v``), else from k (``channel_mean``)."""
+    if k_mean is not None:
+        return k_mean.contiguous()
+    return channel_mean(k) if block_sums is None else _mean_of_block_sums(block_sums, k.shape[1])
 
 
-def _launch_v(kernels: tuple, v, out: Prepared, residual_energy, v_absmax) -> None:
+def _launch_v(kernels: tuple, v, k_for_sums, out: Prepared, residual_energy, v_absmax) -> torch.Tensor | None:
     """V's absmax (unless ``v_absmax`` is given) and packed V, with the residual energies where given, from
-    ``load_kernels``' ``kernels`` on ``_kernel_ready`` v."""
+    ``load_kernels``' ``kernels`` on ``_kernel_ready`` v. With ``k_for_sums`` (``_kernel_ready`` k) also the
+    first pass of K's channel mean, in the absmax's launch where it runs; returns those block sums, else None."""
     _, _, absmax_v, pack, _ = kernels
     s_pad = num_blocks(out.seqlen_k) * BLOCK
+    sums = None if k_for_sums is None else _empty_block_sums(k_for_sums)
     if v_absmax is None:
         amax_v = torch.zeros(v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
-        absmax_v(v, amax_v)
+        if sums is None:
+            absmax_v(v, amax_v)
+        else:
+            load_prep("absmax_and_channel_sums", v.dtype)(v, k_for_sums, amax_v, sums)
     else:
         amax_v = v_absmax.contiguous()
+        if sums is not None:
+            load_prep("channel_sums_per_block", k_for_sums.dtype)(k_for_sums, sums)
     pack(v, amax_v, out.v_packed[..., :s_pad], out.d_v, residual_energy)
+    return sums
 
 
 def _launch_qk(kernels: tuple, q, k, out: Prepared, mean_k, softmax_scale) -> None:
@@ -265,7 +296,9 @@ def prepare(
     ready_q, ready_k, ready_v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     out = empty_prepared(batch, seq_q, seq_k, heads, q.device, repair_keys=num_blocks(count) * BLOCK)
     energy = torch.empty(batch, heads, seq_k, dtype=torch.float32, device=q.device) if count else None
-    _launch_v(kernels, ready_v, out, energy, v_absmax)
+    k_sums = _launch_v(
+        kernels, ready_v, ready_k if options.smooth_k and k_mean is None else None, out, energy, v_absmax
+    )
     if count:
         score = repair_score(
             energy, ready_q, ready_k, ranking=options.repair_ranking, softmax_scale=options.softmax_scale
@@ -280,7 +313,7 @@ def prepare(
             load_prep(select_kind(score.shape[-1]))(score, tokens)
         finally:
             torch.cuda.set_stream(here)
-    mean_k = smoothing_mean(ready_k, k_mean) if options.smooth_k else None
+    mean_k = smoothing_mean(ready_k, k_mean, k_sums) if options.smooth_k else None
     _launch_qk(kernels, ready_q, ready_k, out, mean_k, options.softmax_scale)
     if count:
         here.wait_stream(aside)

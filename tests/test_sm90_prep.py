@@ -161,6 +161,15 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
         assert {op for op in ops if op.startswith("st.global")} == {"st.global.b32"}
         assert ops.get("bar.sync") == 1
         return
+    if kind == "absmax_and_channel_sums":
+        # AbsmaxPerHead's and ChannelSumsPerBlock's steps in one launch: V's block and K's block read once each
+        # (16 16-byte loads a thread), the sums' adds and shuffles as above, V's max by one atomic.
+        assert ops.get("ld.global.v4.b32") == 16 and count("cvt.f32.") == 128
+        channels = prep.CHANNELS_PER_THREAD
+        assert ops.get("add.f32") == channels * (3 + 2) + prep.WARPS - 1 and count("atom.global.max") == 1
+        assert ops.get("st.shared.v4.b32") == channels // 4 and ops.get("bar.sync") == 2
+        assert {op for op in ops if op.startswith("st.global")} == {"st.global.b32"}
+        return
     if kind == "repair_rows":
         # A thread's 8 channels of one repair key: each residual one product rounded alone and one IEEE division,
         # as torch's kernels round them, then two values per RNE-saturating conversion.
@@ -474,12 +483,40 @@ def test_prepare_with_smoothed_keys(seed, batch, seq_len, heads):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("given", ["neither", "v_absmax", "k_mean", "both"])
+def test_prepare_with_smoothed_keys_and_given_scales(seed, given):
+    """Each way K's mean and V's absmax come to the launches: both reduced here (the block sums in V's absmax
+    launch), one of them given (the other's launch alone), or both given (neither launch); with and without repair
+    (``prepare``'s side stream)."""
+    batch, seq_len, heads = 2, 1500, 3
+    q, v = (torch.randn(batch, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k = (torch.randn(batch, seq_len, heads, 128, device="cuda") + 8 * torch.randn(128, device="cuda")).to(q.dtype)
+    scales = {
+        "v_absmax": 1.5 * v.float().abs().amax(dim=(1, 3)) if given in ("v_absmax", "both") else None,
+        "k_mean": k.float().mean(dim=1) + 0.25 if given in ("k_mean", "both") else None,
+    }
+    poisoned = _poisoned(batch, seq_len, seq_len, heads, "cuda")
+    out = prep_ops.prepare_into(q, k, v, poisoned, smooth_k=True, **scales)
+    _assert_identical(out, _reference(q, k, v, PrepareOptions(smooth_k=True), **scales), f"{given}, seed {seed}")
+    options = PrepareOptions(smooth_k=True, repair_ratio=0.01)
+    with_repair = prep_ops.prepare(q, k, v, options, **scales)
+    expected = _reference(q, k, v, options, **scales)
+    for name in ("q8", "d_q", "d_k", "d_v"):
+        _assert_same_bits(getattr(with_repair, name), getattr(expected, name), f"{name}, {given}, seed {seed}")
+    real_rows = num_blocks(seq_len) * BLOCK  # the repair keys after them depend on the ranking's summation order
+    _assert_same_bits(with_repair.k8[:, :, :real_rows], expected.k8[:, :, :real_rows], f"k8, {given}, seed {seed}")
+
+
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", ["contiguous", "k of fused qkv", "head-major"])
 @pytest.mark.parametrize("seq_len", [1, 127, 129, 1000, 4100, 32_760, 73_397])
 def test_channel_mean_matches_reference(seed, dtype, layout, seq_len):
     """K's mean in two launches (``sm90.prep.ChannelSumsPerBlock``, ``ChannelMean``) into poisoned buffers: the
-    bits of ``quant.channel_mean``'s block sums and mean, on the GPU and on the CPU alike, in any layout."""
+    bits of ``quant.channel_mean``'s block sums and mean, on the GPU and on the CPU alike, in any layout; the
+    block sums the same from the launch that takes V's absmax too (``AbsmaxAndChannelSums``), and that absmax
+    ``AbsmaxPerHead``'s."""
     batch, heads = 2, 3
     offsets = 40 * torch.randn(heads, 128, device="cuda")  # channel offsets: the summation order shows
     qkv = (torch.randn(batch, seq_len, 3, heads, 128, device="cuda") + offsets).to(dtype)
@@ -496,6 +533,14 @@ def test_channel_mean_matches_reference(seed, dtype, layout, seq_len):
     assert torch.equal(sums, expected_sums), f"{layout}, seed {seed}"
     assert torch.equal(mean, channel_mean(k)), f"{layout}, seed {seed}"
     assert torch.equal(prep_ops.channel_mean(k), mean)
+    v = qkv[:, :, 2] * torch.rand(heads, 1, device="cuda").to(dtype)  # a scale of its own per head
+    ready_k, ready_v = prep_ops._kernel_ready(k), prep_ops._kernel_ready(v)
+    both_sums = torch.full_like(sums, math.nan)
+    amax, both_amax = (torch.zeros(batch, heads, device="cuda") for _ in range(2))
+    prep_ops.load_prep("absmax_per_head", dtype)(ready_v, amax)
+    prep_ops.load_prep("absmax_and_channel_sums", dtype)(ready_v, ready_k, both_amax, both_sums)
+    assert torch.equal(both_sums, expected_sums), f"{layout}, seed {seed}"
+    assert torch.equal(both_amax, amax) and torch.equal(amax, v.float().abs().amax(dim=(1, 3))), f"seed {seed}"
     if seq_len <= 4100:
         assert torch.equal(channel_mean(k.cpu()), mean.cpu()), f"the CPU's reference, seed {seed}"
 

@@ -3,16 +3,17 @@ code only: ``prep_ops`` compiles these kernels and runs them on torch tensors.
 
 Byte-identical to ``quant.quantize_per_block`` (Q, K) and ``layout.pack_v(quant.quantize_per_head(V))``
 (``preparation.prepare_reference``). With K smoothing, K's per-channel mean (``quant.channel_mean``: it needs the
-whole sequence, so two launches of its own come first, in the reference's summation order) is subtracted inside
-the K launch.
+whole sequence, so two passes come first, in the reference's summation order; the first shares V's absmax launch
+where both run) is subtracted inside the K launch.
 Inputs are diffusers' ``(B, S, H, 128)`` fp16/bf16, any strides whose head-dim stride is 1 and the others
 multiples of 8 elements (16 bytes); anything else is copied once by ``prep_ops.prepare``.
 
-Four launches (six with K smoothing), stream-ordered, no host synchronisation, capturable in a CUDA graph (then
+Four launches (five with K smoothing), stream-ordered, no host synchronisation, capturable in a CUDA graph (then
 the descale guards, ``quant.apply_descale_guards``, one launch of ``sm90.guards``), and with V residual repair,
 after the tokens' choice (``repair.select_repair_tokens``, one launch of ``sm90.select``), one more:
 
   ChannelSumsPerBlock   k (B, S, H, 128)  -> sums (B, H, n_blocks, 128) fp32     (K smoothing only)
+  AbsmaxAndChannelSums  v, k              -> AbsmaxPerHead's amax and ChannelSumsPerBlock's sums, one launch
   ChannelMean           sums              -> mean (B, H, 128) fp32                (K smoothing only)
   QuantizePerBlock (Q)  x (B, S, H, 128)  -> x8 (B, H, S_pad, 128) E4M3, d (B, H, n_blocks)
   QuantizePerBlock (K)  same, optionally minus the channel mean (B, H, 128)
@@ -248,6 +249,49 @@ class QuantizePerBlock:
             mD[b, h, n] = descale
 
 
+@cute.jit
+def _store_channel_sums(values: cute.Tensor, coords: cute.Tensor, sums_row: cute.Tensor, warp_sums: cute.Tensor):
+    """``ChannelSumsPerBlock``'s sums of this thread's block fragment ``values`` (FP32, as ``_load_block`` holds
+    it; ``coords`` from ``_block_coords``) into ``sums_row`` (128,) fp32. ``warp_sums``: smem (WARPS, 128) fp32."""
+    tidx, _, _ = cute.arch.thread_idx()
+    channels, passes = cute.size(values, mode=[0]), cute.size(values, mode=[1])
+    sums = cute.make_rmem_tensor(channels, Float32)
+    for i in cutlass.range_constexpr(channels):
+        total = values[i, 0, 0]
+        for p in cutlass.range_constexpr(1, passes):
+            total = total + values[i, p, 0]
+        for offset in ROW_BUTTERFLY_OFFSETS:
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
+        sums[i] = total
+    # warp_idx() with the warp converged (see _block_absmax).
+    lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+    if lane < THREADS_PER_TOKEN:
+        for i in cutlass.range_constexpr(channels):
+            warp_sums[warp, coords[i, 0, 0][1]] = sums[i]
+    cute.arch.barrier()
+    if tidx < HEAD_DIM:
+        total = warp_sums[0, tidx]
+        for w in cutlass.range_constexpr(1, WARPS):
+            total = total + warp_sums[w, tidx]
+        sums_row[tidx] = total
+
+
+def _allocate_warp_sums(smem: cutlass.memory.SmemAllocator) -> cute.Tensor:
+    """sWarpSums: (warp 8, channel 128):(128, 1) fp32, ``_store_channel_sums``' exchange."""
+    return smem.allocate_tensor(Float32, cute.make_layout((WARPS, HEAD_DIM), stride=(HEAD_DIM, 1)))
+
+
+@cute.jit
+def _merge_absmax(x: cute.TensorSSA, mAmax: cute.Tensor, b: Int32, h: Int32, reduction_buffer: cute.Tensor):
+    """``mAmax[b, h] = max(mAmax[b, h], absmax of the CTA's block x)``: ``AbsmaxPerHead``'s step."""
+    tidx, _, _ = cute.arch.thread_idx()
+    a = _block_absmax(x, reduction_buffer)
+    if tidx == 0:
+        # a >= 0: integer max on its bits (atom.max.s32) is the float max, exact in any order; the canonical
+        # NaN (0x7fffffff) beats inf and every finite value, so a NaN absmax stays NaN.
+        cute.arch.atomic_fmax(mAmax.iterator + cute.crd2idx((b, h), mAmax.layout), a, sign_bit=False)
+
+
 class ChannelSumsPerBlock:
     """K smoothing, pass 1: each block's per-channel FP32 sums (``quant.channel_block_sums``, bit for bit).
     Grid (n_blocks, H, B).
@@ -268,33 +312,11 @@ class ChannelSumsPerBlock:
     def kernel(self, mK: cute.Tensor, mSums: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
-        smem = cutlass.memory.SmemAllocator()
-        # sWarpSums: (warp 8, channel 128):(128, 1) fp32.
-        warp_sums = smem.allocate_tensor(Float32, cute.make_layout((WARPS, HEAD_DIM), stride=(HEAD_DIM, 1)))
-
-        values = cute.make_rmem_tensor(_block_coords(mK, n, tidx).shape, Float32)
-        values.store(_load_block(mK, b, h, n, tidx).load().to(Float32))
-        channels, passes = cute.size(values, mode=[0]), cute.size(values, mode=[1])
-        sums = cute.make_rmem_tensor(channels, Float32)
-        for i in cutlass.range_constexpr(channels):
-            total = values[i, 0, 0]
-            for p in cutlass.range_constexpr(1, passes):
-                total = total + values[i, p, 0]
-            for offset in ROW_BUTTERFLY_OFFSETS:
-                total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
-            sums[i] = total
-        # warp_idx() with the warp converged (see _block_absmax).
-        lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+        warp_sums = _allocate_warp_sums(cutlass.memory.SmemAllocator())
         coords = _block_coords(mK, n, tidx)
-        if lane < THREADS_PER_TOKEN:
-            for i in cutlass.range_constexpr(channels):
-                warp_sums[warp, coords[i, 0, 0][1]] = sums[i]
-        cute.arch.barrier()
-        if tidx < HEAD_DIM:
-            total = warp_sums[0, tidx]
-            for w in cutlass.range_constexpr(1, WARPS):
-                total = total + warp_sums[w, tidx]
-            mSums[b, h, n, tidx] = total
+        values = cute.make_rmem_tensor(coords.shape, Float32)
+        values.store(_load_block(mK, b, h, n, tidx).load().to(Float32))
+        _store_channel_sums(values, coords, mSums[b, h, n, None], warp_sums)
 
 
 class ChannelMean:
@@ -351,13 +373,37 @@ class AbsmaxPerHead:
         n, h, b = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
         reduction_buffer = smem.allocate_tensor(Float32, cute.make_layout(WARPS))
-
         x = _load_block(mV, b, h, n, tidx).load().to(Float32)
-        a = _block_absmax(x, reduction_buffer)
-        if tidx == 0:
-            # a >= 0: integer max on its bits (atom.max.s32) is the float max, exact in any order; the canonical
-            # NaN (0x7fffffff) beats inf and every finite value, so a NaN absmax stays NaN.
-            cute.arch.atomic_fmax(mAmax.iterator + cute.crd2idx((b, h), mAmax.layout), a, sign_bit=False)
+        _merge_absmax(x, mAmax, b, h, reduction_buffer)
+
+
+class AbsmaxAndChannelSums:
+    """``AbsmaxPerHead`` of V and ``ChannelSumsPerBlock`` of K in one launch, the same bits: the first pass over
+    both when neither V's absmax nor K's mean is given (K smoothing). Block n of head h of V and of K are loaded
+    before either is reduced, 16 loads a thread in flight. Grid (n_blocks, H, B)."""
+
+    @cute.jit
+    def __call__(self, mV: cute.Tensor, mK: cute.Tensor, mAmax: cute.Tensor, mSums: cute.Tensor, stream: cuda.CUstream):
+        """mV, mK (B, S, H, 128) fp16/bf16 of the same shape; mAmax (B, H) fp32, zeroed; mSums (B, H, n_blocks,
+        128) fp32."""
+        self.kernel(mV, mK, mAmax, mSums).launch(
+            grid=[mSums.shape[2], mSums.shape[1], mSums.shape[0]], block=[THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mV: cute.Tensor, mK: cute.Tensor, mAmax: cute.Tensor, mSums: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        n, h, b = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        reduction_buffer = smem.allocate_tensor(Float32, cute.make_layout(WARPS))
+        warp_sums = _allocate_warp_sums(smem)
+        v_block = _load_block(mV, b, h, n, tidx)
+        k_block = _load_block(mK, b, h, n, tidx)
+        _merge_absmax(v_block.load().to(Float32), mAmax, b, h, reduction_buffer)
+        coords = _block_coords(mK, n, tidx)
+        values = cute.make_rmem_tensor(coords.shape, Float32)
+        values.store(k_block.load().to(Float32))
+        _store_channel_sums(values, coords, mSums[b, h, n, None], warp_sums)
 
 
 class PackV:
