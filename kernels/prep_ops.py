@@ -296,9 +296,8 @@ def prepare(
     ready_q, ready_k, ready_v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     out = empty_prepared(batch, seq_q, seq_k, heads, q.device, repair_keys=num_blocks(count) * BLOCK)
     energy = torch.empty(batch, heads, seq_k, dtype=torch.float32, device=q.device) if count else None
-    k_sums = _launch_v(
-        kernels, ready_v, ready_k if options.smooth_k and k_mean is None else None, out, energy, v_absmax
-    )
+    k_for_sums = ready_k if options.smooth_k and k_mean is None else None
+    k_sums = _launch_v(kernels, ready_v, k_for_sums, out, energy, v_absmax)
     if count:
         score = repair_score(
             energy, ready_q, ready_k, ranking=options.repair_ranking, softmax_scale=options.softmax_scale

@@ -379,8 +379,9 @@ class AbsmaxPerHead:
 
 class AbsmaxAndChannelSums:
     """``AbsmaxPerHead`` of V and ``ChannelSumsPerBlock`` of K in one launch, the same bits: the first pass over
-    both when neither V's absmax nor K's mean is given (K smoothing). Block n of head h of V and of K are loaded
-    before either is reduced, 16 loads a thread in flight. Grid (n_blocks, H, B)."""
+    both when neither V's absmax nor K's mean is given (K smoothing). Block n of head h of V and of K are both
+    loaded before either is reduced (in SASS a thread's 16 loads all precede its first shuffle). Grid (n_blocks,
+    H, B)."""
 
     @cute.jit
     def __call__(self, mV: cute.Tensor, mK: cute.Tensor, mAmax: cute.Tensor, mSums: cute.Tensor, stream: cuda.CUstream):
