@@ -179,9 +179,9 @@ def prepare_into(
 
     Five launches on the current stream (four with ``v_absmax``): V's absmax, pack V, quantize Q, quantize K, then
     the descale guards in place on ``out.d_q`` and ``out.d_v`` (``sm90.guards``); K smoothing without ``k_mean``
-    adds K's mean before Q's: its first pass over K in V's absmax launch (``sm90.prep.AbsmaxAndChannelSums``; a
-    launch of its own with ``v_absmax``), then one launch (``ChannelMean``). Nothing waits on the host, so a call
-    can be captured in a CUDA graph.
+    adds K's mean before Q's: its first pass over K in V's absmax launch (``sm90.prep.AbsmaxAndChannelSums``; with
+    ``v_absmax``, ``channel_mean``'s launch of its own), then one launch (``ChannelMean``). Nothing waits on the
+    host, so a call can be captured in a CUDA graph.
     """
     kernels = load_kernels(q.dtype, smooth_k=smooth_k, energy=residual_energy is not None)
     ready_q, ready_k, ready_v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
@@ -226,21 +226,21 @@ def smoothing_mean(
 
 def _launch_v(kernels: tuple, v, k_for_sums, out: Prepared, residual_energy, v_absmax) -> torch.Tensor | None:
     """V's absmax (unless ``v_absmax`` is given) and packed V, with the residual energies where given, from
-    ``load_kernels``' ``kernels`` on ``_kernel_ready`` v. With ``k_for_sums`` (``_kernel_ready`` k) also the
-    first pass of K's channel mean, in the absmax's launch where it runs; returns those block sums, else None."""
+    ``load_kernels``' ``kernels`` on ``_kernel_ready`` v. With ``k_for_sums`` (``_kernel_ready`` k, whose channel
+    mean is still to be reduced) and V's absmax to take, K's block sums in the absmax's launch
+    (``sm90.prep.AbsmaxAndChannelSums``): returns them; else None (``smoothing_mean`` then reduces k itself)."""
     _, _, absmax_v, pack, _ = kernels
     s_pad = num_blocks(out.seqlen_k) * BLOCK
-    sums = None if k_for_sums is None else _empty_block_sums(k_for_sums)
+    sums = None
     if v_absmax is None:
         amax_v = torch.zeros(v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
-        if sums is None:
+        if k_for_sums is None:
             absmax_v(v, amax_v)
         else:
+            sums = _empty_block_sums(k_for_sums)
             load_prep("absmax_and_channel_sums", v.dtype)(v, k_for_sums, amax_v, sums)
     else:
         amax_v = v_absmax.contiguous()
-        if sums is not None:
-            load_prep("channel_sums_per_block", k_for_sums.dtype)(k_for_sums, sums)
     pack(v, amax_v, out.v_packed[..., :s_pad], out.d_v, residual_energy)
     return sums
 

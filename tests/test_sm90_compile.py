@@ -44,10 +44,9 @@ def test_key_permutation_matches_fragments():
 
 def test_each_repair_key_comes_from_the_lane_that_loads_it():
     """softmax.load_repair_keys: lane (g, t) of a warp loads slot p's key as its own column p's key plus
-    REPAIR_GROUP_KEYS g;
-    encode_repair_keys takes column i's from lane t + 4 g', slot p' (repair_key_source(i)). Against the QK
-    accumulator's layout: that key must be the one column i holds, for every lane (rows_view column i = e + 2 c is
-    C value e + 4 c of row 0)."""
+    REPAIR_GROUP_KEYS g; encode_repair_keys takes column i's from lane t + 4 g', slot p' (repair_key_source(i)).
+    Against the QK accumulator's layout: that key must be the one column i holds, for every lane (rows_view column
+    i = e + 2 c is C value e + 4 c of row 0)."""
     from openvc_kernels.sm90.softmax import REPAIR_GROUP_KEYS, REPAIR_KEYS_PER_LANE, repair_key_source
 
     keys = [[key for _, key in _fragment_coords()["c"][lane]] for lane in range(128)]
