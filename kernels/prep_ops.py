@@ -7,6 +7,8 @@ symbolic, no GPU needed (``compile_cache`` keeps the compiled kernels). ``prepar
 """
 
 import functools
+import threading
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -127,10 +129,11 @@ def compile_prep(kind: str, dtype: torch.dtype | None = None):
 
 def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself when the kernels can read it in place (contiguous head dim, 16-byte strides and base);
-    otherwise one contiguous copy. Size-1 dims get stride 0: torch reports any stride there (and calls such
-    a tensor contiguous), the compiled kernels check that every stride is a multiple of 8 elements."""
-    x = x.as_strided(x.shape, [st if n > 1 else 0 for n, st in zip(x.shape, x.stride())])
+    otherwise one contiguous copy. Where a stride is not a multiple of 8 elements (which the compiled kernels
+    check), size-1 dims get stride 0: torch reports any stride there (and calls such a tensor contiguous)."""
     elems = INPUT_ALIGN // x.element_size()
+    if not all(st % elems == 0 for st in x.stride()[:3]):
+        x = x.as_strided(x.shape, [st if n > 1 else 0 for n, st in zip(x.shape, x.stride())])
     in_place = (
         x.stride(3) == 1
         and all(st % elems == 0 for st in x.stride()[:3])
@@ -305,9 +308,10 @@ def prepare(
         tokens = torch.empty(batch, heads, count, dtype=torch.int64, device=q.device)
         # The choice runs on a few SMs (one CTA per head): beside Q's and K's quantization, not before them.
         # (torch.cuda.set_stream rather than the torch.cuda.stream context: a third of its host time.)
-        here, aside = torch.cuda.current_stream(q.device), _side_stream(q.device)
-        aside.wait_stream(here)
-        torch.cuda.set_stream(aside)
+        here, aside = torch.cuda.current_stream(q.device), _side_stream(q.device, threading.get_ident())
+        aside.fork.record(here)
+        aside.stream.wait_event(aside.fork)
+        torch.cuda.set_stream(aside.stream)
         try:
             load_prep(select_kind(score.shape[-1]))(score, tokens)
         finally:
@@ -315,14 +319,25 @@ def prepare(
     mean_k = smoothing_mean(ready_k, k_mean, k_sums) if options.smooth_k else None
     _launch_qk(kernels, ready_q, ready_k, out, mean_k, options.softmax_scale)
     if count:
-        here.wait_stream(aside)
+        aside.join.record(aside.stream)
+        here.wait_event(aside.join)
         repair_rows = load_prep("repair_rows", v.dtype)
         repair_rows(ready_v, tokens, out.k8, out.d_k, out.v_packed, out.d_v, out.d_k_repair, out.tile_repair)
     return out
 
 
+class SideStream(NamedTuple):
+    """The stream ``prepare`` runs the repair tokens' choice on, beside the caller's, and the two events that fork it
+    from the caller's stream and join it back (made once: two new events a call cost about 7 us of host time)."""
+
+    stream: torch.cuda.Stream
+    fork: torch.cuda.Event
+    join: torch.cuda.Event
+
+
 @functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream ``prepare`` runs the repair tokens' choice on, beside the caller's: high priority, so that its
-    few CTAs take SMs as soon as the energies are written, ahead of the quantization's many."""
-    return torch.cuda.Stream(device, priority=-1)
+def _side_stream(device: torch.device, thread: int) -> SideStream:
+    """``prepare``'s side stream on ``device`` for the calling ``thread`` (its events are recorded and waited for in
+    turn, so no two threads share them): high priority, so that the choice's few CTAs take SMs as soon as the
+    energies are written, ahead of the quantization's many."""
+    return SideStream(torch.cuda.Stream(device, priority=-1), torch.cuda.Event(), torch.cuda.Event())

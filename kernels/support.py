@@ -32,7 +32,7 @@ def kernel_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim
 def input_unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     if device.type != "cuda":
         return f"the FP8 kernel runs on CUDA devices, inputs are on {device}"
-    capability = torch.cuda.get_device_capability(device)
+    capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
     if capability != HOPPER:
         name = torch.cuda.get_device_name(device)
         return f"the FP8 kernel is built for Hopper (sm_90a); {name} is sm_{capability[0]}{capability[1]}"
@@ -41,6 +41,12 @@ def input_unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim:
     if dtype not in KERNEL_DTYPES:
         return f"the FP8 kernel takes fp16/bf16 inputs, got {dtype}"
     return None
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    """The compute capability of a CUDA device, asked once: asking costs a few microseconds of host time a call."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 @functools.cache

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -301,6 +302,24 @@ def test_prepare_picks_the_select_variant_by_sequence_length(monkeypatch):
     finally:
         ops.build_failure.cache_clear()
     assert loaded == [(kind, None) for kind in prep_ops.SELECT_KINDS] + [("repair_rows", torch.bfloat16)]
+
+
+def test_kernel_ready_reads_in_place_where_the_kernels_can():
+    """Views the kernels can read come back as they are (no copy, strides kept); a size-1 dim's stride that is not
+    a multiple of 8 elements becomes 0, still without a copy; a head dim that is not contiguous is copied."""
+    heads = 3
+    qkv = torch.randn(2, 40, 3, heads, 128, dtype=torch.bfloat16)
+    k = qkv[:, :, 1]
+    ready = prep_ops._kernel_ready(k)
+    assert ready.data_ptr() == k.data_ptr() and ready.stride() == k.stride()
+    one = torch.randn(1, 40, heads, 128, dtype=torch.bfloat16)
+    odd = one.as_strided(one.shape, (5, heads * 128, 128, 1))
+    ready = prep_ops._kernel_ready(odd)
+    assert ready.data_ptr() == odd.data_ptr() and ready.stride() == (0, heads * 128, 128, 1)
+    assert torch.equal(ready, one)
+    spread = torch.randn(2, 40, heads, 256, dtype=torch.bfloat16)[..., ::2]
+    ready = prep_ops._kernel_ready(spread)
+    assert ready.data_ptr() != spread.data_ptr() and ready.is_contiguous() and torch.equal(ready, spread)
 
 
 @pytest.mark.parametrize("kind", prep_ops.SELECT_KINDS)
@@ -660,6 +679,41 @@ def test_prepare_with_repair_in_cuda_graph(seed):
     _assert_identical(static_out, prep_ops.prepare(q, k, v, options), f"replay with repair, seed {seed}")
 
 
+@pytest.mark.gpu
+@needs_hopper
+def test_each_thread_forks_its_own_side_stream(seed):
+    """The tokens' choice forks and joins through events made once per thread (``prep_ops._side_stream``): calls
+    from two threads at once, each on a stream of its own, give each thread's bytes."""
+
+    batch, seq_len, heads = 1, 4100, 4
+    options = PrepareOptions(smooth_k=True, repair_ratio=0.005)
+    sets = [[torch.randn(batch, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+            for _ in range(2)]
+    expected = [prep_ops.prepare(*inputs, options) for inputs in sets]
+    torch.cuda.synchronize()  # the threads' streams do not wait for this one
+    results = [[], []]
+
+    def run(i: int) -> None:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            for _ in range(8):
+                results[i].append(prep_ops.prepare(*sets[i], options))
+            torch.cuda.current_stream().synchronize()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i in range(2):
+        assert len(results[i]) == 8
+        for out in results[i]:
+            _assert_identical(out, expected[i], f"thread {i}, seed {seed}")
+    device = sets[0][0].device
+    mine = prep_ops._side_stream(device, threading.get_ident())
+    assert mine is prep_ops._side_stream(device, threading.get_ident())
+    assert mine.fork is not mine.join
+
+
 def _scores(kind: str, shape, device) -> torch.Tensor:
     """Random (B, H, S) fp32 scores of one flavour: continuous energies, heavy ties (a few values), or ties with
     NaN, +-inf and +-0.0 among them."""
@@ -801,7 +855,7 @@ def test_prepare_selects_with_the_variant_for_its_length(seed, monkeypatch, seq_
     monkeypatch.setattr(prep_ops, "load_prep", recording)
     prep_ops.prepare(q, k, v, PrepareOptions(repair_ratio=0.005, repair_ranking="energy"))
     ((kind, stream, score, tokens),) = launched
-    assert stream == prep_ops._side_stream(q.device) != torch.cuda.current_stream()
+    assert stream == prep_ops._side_stream(q.device, threading.get_ident()).stream != torch.cuda.current_stream()
     resident = seq_len <= select.RESIDENT_MAX_TOKENS
     assert kind == ("select_repair_tokens_resident" if resident else "select_repair_tokens")
     assert score.shape == (batch, heads, seq_len) and tokens.shape[-1] == repair_count(seq_len, 0.005)
