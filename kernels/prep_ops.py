@@ -8,7 +8,7 @@ symbolic, no GPU needed (``compile_cache`` keeps the compiled kernels). ``prepar
 
 import functools
 import threading
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -74,8 +74,13 @@ def _rows_fake(shape: tuple):
 
 def load_prep(kind: str, dtype: torch.dtype | None = None):
     """``compile_prep(kind, dtype)``, compiled once per machine (``compile_cache``)."""
-    name = f"prep_{kind}" if dtype is None else f"prep_{kind}_{str(dtype).removeprefix('torch.')}"
-    return load_or_compile(name, lambda: compile_prep(kind, dtype))
+    return load_or_compile(_prep_name(kind, dtype), lambda: compile_prep(kind, dtype))
+
+
+@functools.cache
+def _prep_name(kind: str, dtype: torch.dtype | None) -> str:
+    """The compile cache's name of a preparation kernel, spelled once: a call looks up about nine."""
+    return f"prep_{kind}" if dtype is None else f"prep_{kind}_{str(dtype).removeprefix('torch.')}"
 
 
 def compile_prep(kind: str, dtype: torch.dtype | None = None):
@@ -189,7 +194,8 @@ def prepare_into(
     kernels = load_kernels(q.dtype, smooth_k=smooth_k, energy=residual_energy is not None)
     ready_q, ready_k, ready_v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     k_for_sums = ready_k if smooth_k and k_mean is None else None
-    k_sums = _launch_v(kernels, ready_v, k_for_sums, out, residual_energy, v_absmax)
+    amax_v, k_sums = _launch_absmax(kernels, ready_v, k_for_sums, v_absmax)
+    _launch_pack(kernels, ready_v, amax_v, out, residual_energy)
     mean_k = smoothing_mean(ready_k, k_mean, k_sums) if smooth_k else None
     _launch_qk(kernels, ready_q, ready_k, out, mean_k, softmax_scale)
     return out
@@ -221,54 +227,65 @@ def smoothing_mean(
     k: torch.Tensor, k_mean: torch.Tensor | None = None, block_sums: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``quant.smoothing_mean`` on the GPU: ``k_mean`` where given, else K's channel mean, from ``block_sums``
-    where a launch wrote them already (``_launch_v``), else from k (``channel_mean``)."""
+    where a launch wrote them already (``_launch_absmax``), else from k (``channel_mean``)."""
     if k_mean is not None:
         return k_mean.contiguous()
     return channel_mean(k) if block_sums is None else _mean_of_block_sums(block_sums, k.shape[1])
 
 
-def _launch_v(kernels: tuple, v, k_for_sums, out: Prepared, residual_energy, v_absmax) -> torch.Tensor | None:
-    """V's absmax (unless ``v_absmax`` is given) and packed V, with the residual energies where given, from
-    ``load_kernels``' ``kernels`` on ``_kernel_ready`` v. With ``k_for_sums`` (``_kernel_ready`` k, whose channel
-    mean is still to be reduced) and V's absmax to take, K's block sums in the absmax's launch
-    (``sm90.prep.AbsmaxAndChannelSums``): returns them; else None (``smoothing_mean`` then reduces k itself)."""
-    _, _, absmax_v, pack, _ = kernels
+class PrepKernels(NamedTuple):
+    """The five compiled kernels of ``prepare_into`` (``load_kernels``): Q's and K's quantization, V's absmax and
+    packed V, the descale guards."""
+
+    quantize_q: Callable
+    quantize_k: Callable
+    absmax_v: Callable
+    pack_v: Callable
+    guards: Callable
+
+
+def _launch_absmax(kernels: PrepKernels, v, k_for_sums, v_absmax) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """V's absmax (B, H), unless ``v_absmax`` is given, from ``load_kernels``' ``kernels`` on ``_kernel_ready`` v:
+    ``(amax_v, sums)``. With ``k_for_sums`` (``_kernel_ready`` k, whose channel mean is still to be reduced) and V's
+    absmax to take, K's block sums come from the same launch (``sm90.prep.AbsmaxAndChannelSums``); else ``sums`` is
+    None (``smoothing_mean`` then reduces k itself)."""
+    if v_absmax is not None:
+        return v_absmax.contiguous(), None
+    amax_v = torch.zeros(v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
+    if k_for_sums is None:
+        kernels.absmax_v(v, amax_v)
+        return amax_v, None
+    sums = _empty_block_sums(k_for_sums)
+    load_prep("absmax_and_channel_sums", v.dtype)(v, k_for_sums, amax_v, sums)
+    return amax_v, sums
+
+
+def _launch_pack(kernels: PrepKernels, v, amax_v: torch.Tensor, out: Prepared, residual_energy) -> None:
+    """Packed V and its descale into ``out``, with the residual energies where given, for V's absmax ``amax_v``."""
     s_pad = num_blocks(out.seqlen_k) * BLOCK
-    sums = None
-    if v_absmax is None:
-        amax_v = torch.zeros(v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
-        if k_for_sums is None:
-            absmax_v(v, amax_v)
-        else:
-            sums = _empty_block_sums(k_for_sums)
-            load_prep("absmax_and_channel_sums", v.dtype)(v, k_for_sums, amax_v, sums)
-    else:
-        amax_v = v_absmax.contiguous()
-    pack(v, amax_v, out.v_packed[..., :s_pad], out.d_v, residual_energy)
-    return sums
+    kernels.pack_v(v, amax_v, out.v_packed[..., :s_pad], out.d_v, residual_energy)
 
 
-def _launch_qk(kernels: tuple, q, k, out: Prepared, mean_k, softmax_scale) -> None:
+def _launch_qk(kernels: PrepKernels, q, k, out: Prepared, mean_k, softmax_scale) -> None:
     """Q's and K's quantization (K minus ``mean_k`` where given), then the descale guards, which read V's scale
-    too: after ``_launch_v``."""
-    quantize_q, quantize_k, _, _, guards = kernels
+    too: after ``_launch_pack``."""
     s_pad = num_blocks(out.seqlen_k) * BLOCK
-    quantize_q(q, out.q8, out.d_q, None)
-    quantize_k(k, out.k8[:, :, :s_pad], out.d_k, mean_k)
+    kernels.quantize_q(q, out.q8, out.d_q, None)
+    kernels.quantize_k(k, out.k8[:, :, :s_pad], out.d_k, mean_k)
     numerator = code_span_numerator(softmax_scale_or_default(softmax_scale, HEAD_DIM), HEAD_DIM)
-    guards(out.d_q, out.d_k, out.d_v, numerator)
+    kernels.guards(out.d_q, out.d_k, out.d_v, numerator)
 
 
-def load_kernels(dtype: torch.dtype, *, smooth_k: bool, energy: bool) -> tuple:
+def load_kernels(dtype: torch.dtype, *, smooth_k: bool, energy: bool) -> PrepKernels:
     """The five compiled kernels of ``prepare_into`` (quantize Q, quantize K, V's absmax, pack V, the descale
     guards), for inputs of ``dtype``, K smoothing and residual energies (V residual repair) as given."""
-    kinds = (
-        "quantize_per_block",
-        "quantize_centered_per_block" if smooth_k else "quantize_per_block",
-        "absmax_per_head",
-        "pack_v_energy" if energy else "pack_v",
+    return PrepKernels(
+        quantize_q=load_prep("quantize_per_block", dtype),
+        quantize_k=load_prep("quantize_centered_per_block" if smooth_k else "quantize_per_block", dtype),
+        absmax_v=load_prep("absmax_per_head", dtype),
+        pack_v=load_prep("pack_v_energy" if energy else "pack_v", dtype),
+        guards=load_prep("descale_guards"),
     )
-    return (*(load_prep(kind, dtype) for kind in kinds), load_prep("descale_guards"))
 
 
 def prepare(
@@ -297,10 +314,12 @@ def prepare(
     count = repair_count(seq_k, options.repair_ratio)
     kernels = load_kernels(q.dtype, smooth_k=options.smooth_k, energy=count > 0)
     ready_q, ready_k, ready_v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    k_for_sums = ready_k if options.smooth_k and k_mean is None else None
+    # V's absmax first: the GPU reads V (and K) while the host makes the buffers.
+    amax_v, k_sums = _launch_absmax(kernels, ready_v, k_for_sums, v_absmax)
     out = empty_prepared(batch, seq_q, seq_k, heads, q.device, repair_keys=num_blocks(count) * BLOCK)
     energy = torch.empty(batch, heads, seq_k, dtype=torch.float32, device=q.device) if count else None
-    k_for_sums = ready_k if options.smooth_k and k_mean is None else None
-    k_sums = _launch_v(kernels, ready_v, k_for_sums, out, energy, v_absmax)
+    _launch_pack(kernels, ready_v, amax_v, out, energy)
     if count:
         score = repair_score(
             energy, ready_q, ready_k, ranking=options.repair_ranking, softmax_scale=options.softmax_scale
