@@ -48,15 +48,21 @@ class BoundedQuantizePerBlock(prep.QuantizePerBlock):
         )
 
 
-def compile_bounded(kind: str, dtype: torch.dtype):
-    """``prep_ops.compile_prep(kind, dtype)`` with the bounded class in place of the shipped one."""
-    names = {"pack_v_energy": ("PackV", BoundedPackV), "quantize_centered_per_block": ("QuantizePerBlock",
-                                                                                     BoundedQuantizePerBlock)}
-    name, bounded = names[kind]
+VARIANTS = {
+    "pack_v_energy": ("PackV", BoundedPackV),
+    "quantize_centered_per_block": ("QuantizePerBlock", BoundedQuantizePerBlock),
+}
+"""The kinds timed bounded: ``prep_ops``' name of the shipped class, and the bounded class."""
+DTYPE = torch.bfloat16
+
+
+def compile_variant(kind: str):
+    """``prep_ops.compile_prep(kind, DTYPE)`` with the bounded class in place of the shipped one."""
+    name, bounded = VARIANTS[kind]
     shipped = getattr(prep_ops, name)
     setattr(prep_ops, name, bounded)
     try:
-        return prep_ops.compile_prep(kind, dtype)
+        return prep_ops.compile_prep(kind, DTYPE)
     finally:
         setattr(prep_ops, name, shipped)
 
@@ -72,12 +78,10 @@ def report(label: str, times: list[list[float]]) -> None:
 
 def main():
     torch.manual_seed(0)
-    dtype = torch.bfloat16
-    kernels = {kind: (prep_ops.load_prep(kind, dtype), compile_bounded(kind, dtype))
-               for kind in ("pack_v_energy", "quantize_centered_per_block")}
+    kernels = {kind: (prep_ops.load_prep(kind, DTYPE), compile_variant(kind)) for kind in VARIANTS}
     for seq, heads in SHAPES:
         print(f"S={seq} H={heads}")
-        v, k = (torch.randn(1, seq, heads, HEAD_DIM, device="cuda", dtype=dtype) + 3 for _ in range(2))
+        v, k = (torch.randn(1, seq, heads, HEAD_DIM, device="cuda", dtype=DTYPE) + 3 for _ in range(2))
         s_pad, n_k = num_blocks(seq) * BLOCK, num_blocks(seq)
         amax = v.float().abs().amax(dim=(1, 3))
         mean = prep_ops.channel_mean(k)
