@@ -1,12 +1,12 @@
 """Device probe: the defaults' two slower preparation launches at three CTAs per SM instead of two.
 
-Packed V with the residual energies (``pack_v_energy``: 112 registers a thread, so 2 CTAs of 256 threads per SM,
-against 80 registers and 3 CTAs for ``pack_v``) and K's quantization minus its channel mean
-(``quantize_centered_per_block``: 97 registers, 2 CTAs, against 80 and 3) are compiled once more with
-``min_blocks_per_mp=3`` (ptxas then keeps them to 80 registers, spilling some: 92 and 116 bytes). Both variants of
-each write the same bytes (checked first); then each pair is timed back to back, interleaved call by call
-(``bench_attention.time_interleaved``). Prints each one's median us and the bounded one's time over the shipped one's
-(the median over rounds of the ratio within a round).
+Packed V with the residual energies (``pack_v_energy``) and K's quantization minus its channel mean
+(``quantize_centered_per_block``) use more registers than their plain kinds, so fewer of their 256-thread CTAs fit
+an SM (the counts: notes/kernel.md, 2026-12-02 15:10). Each is compiled once more with
+``min_blocks_per_mp=CTAS_PER_SM`` (ptxas then keeps it to the registers that many CTAs leave, spilling what does not
+fit). Both builds of each kind must write the same bytes (checked first); then each pair is timed back to back,
+interleaved call by call (``bench_attention.time_interleaved``). Prints each one's median us and the bounded one's time
+over the shipped one's (the median over rounds of the ratio within a round).
 """
 
 import os
