@@ -73,15 +73,15 @@ def _kernel(config: ForwardConfig):
 
 @functools.cache
 def _cache_name(config: ForwardConfig) -> str:
-    """``config.cache_name``, spelled once per variant: it walks the dataclass's fields, about 10 us of host time a
-    call."""
+    """``config.cache_name``, spelled once per variant: it walks the dataclass's fields, host time on every call
+    (notes/kernel.md, 2026-12-02 15:10, has the measurements)."""
     return config.cache_name
 
 
 @functools.lru_cache(maxsize=64)
 def _codes_per_dot_value(softmax_scale: float) -> float:
-    """``expcast.codes_per_dot`` as the kernel's float argument, once per scale: making the tensor costs about 10 us
-    of host time."""
+    """``expcast.codes_per_dot`` as the kernel's float argument, once per scale: making the tensor is host time on
+    every call."""
     return float(codes_per_dot(softmax_scale))
 
 
@@ -362,8 +362,8 @@ def attention(
     op = _attention_lse_op if return_lse else _attention_op
     if compiling or not _nothing_sees_the_op(q, k, v, v_absmax, k_mean):
         return op(*args)
-    # The op's body, checked once: the op's dispatch and its second check cost about 20 us of host time. A
-    # profile still shows the op's name around its work.
+    # The op's body, checked once: the op's dispatch and its second check are host time on every call
+    # (notes/kernel.md has the measurement). A profile still shows the op's name around its work.
     profiled = torch._C._autograd._profiler_enabled()
     with torch.profiler.record_function(op._qualname) if profiled else contextlib.nullcontext():
         return _run_checked(*args, return_lse)

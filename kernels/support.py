@@ -45,7 +45,7 @@ def input_unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim:
 
 @functools.cache
 def _capability(device_index: int) -> tuple[int, int]:
-    """The compute capability of a CUDA device, asked once: asking costs a few microseconds of host time a call."""
+    """The compute capability of a CUDA device, asked once rather than on every call (host time)."""
     return torch.cuda.get_device_capability(device_index)
 
 

@@ -684,7 +684,6 @@ def test_prepare_with_repair_in_cuda_graph(seed):
 def test_each_thread_forks_its_own_side_stream(seed):
     """The tokens' choice forks and joins through events made once per thread (``prep_ops._side_stream``): calls
     from two threads at once, each on a stream of its own, give each thread's bytes."""
-
     batch, seq_len, heads = 1, 4100, 4
     options = PrepareOptions(smooth_k=True, repair_ratio=0.005)
     sets = [[torch.randn(batch, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
