@@ -120,7 +120,7 @@ def compile_prep(kind: str, dtype: torch.dtype | None = None):
     elif kind == "repair_rows":
         s_all, n_k, repair_keys = cute.sym_int(divisibility=BLOCK), cute.sym_int(), cute.sym_int(divisibility=BLOCK)
         args = (
-            RepairRows(), x, row_major_fake(cutlass.Int64, (b, h, cute.sym_int()), 8),
+            RepairRows(), x, per_head, row_major_fake(cutlass.Int64, (b, h, cute.sym_int()), 8),
             row_major_fake(Uint8, (b, h, s_all, HEAD_DIM), 16), row_major_fake(Float32, (b, h, n_k), 4),
             row_major_fake(Uint8, (b, h, PV_N, s_all), 16), per_head,
             row_major_fake(Float32, (b, h, repair_keys), 4), row_major_fake(cutlass.Int32, (b, h, repair_keys), 4),
@@ -341,7 +341,9 @@ def prepare(
         aside.join.record(aside.stream)
         here.wait_event(aside.join)
         repair_rows = load_prep("repair_rows", v.dtype)
-        repair_rows(ready_v, tokens, out.k8, out.d_k, out.v_packed, out.d_v, out.d_k_repair, out.tile_repair)
+        repair_rows(
+            ready_v, amax_v, tokens, out.k8, out.d_k, out.v_packed, out.d_v, out.d_k_repair, out.tile_repair
+        )
     return out
 
 

@@ -173,10 +173,13 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
         return
     if kind == "repair_rows":
         # A thread's 8 channels of one repair key: each residual one product rounded alone and one IEEE division,
-        # as torch's kernels round them, then two values per RNE-saturating conversion.
-        assert ops.get("mul.rn.f32") == prep.REPAIR_CHANNELS and ops.get("div.rn.f32") == prep.REPAIR_CHANNELS
+        # as torch's kernels round them (one more division: the head's scale), then two values per RNE-saturating
+        # conversion, for V8 quantized again and for the residual. V and the K row read by one vector load each,
+        # nothing gathered a byte at a time.
+        assert ops.get("mul.rn.f32") == prep.REPAIR_CHANNELS and ops.get("div.rn.f32") == prep.REPAIR_CHANNELS + 1
         assert count("rcp") == 0 and count("div.approx") == 0 and count("div.full") == 0
-        assert ops.get("cvt.rn.satfinite.e4m3x2.f32") == prep.REPAIR_CHANNELS // 2
+        assert ops.get("cvt.rn.satfinite.e4m3x2.f32") == 2 * (prep.REPAIR_CHANNELS // 2)
+        assert ops.get("ld.global.v4.b32") == 1 and ops.get("ld.global.v2.b32") == 1 and count("ld.global.b8") == 0
         return
     # The block is read once, with 16-byte loads: 8 per thread (and 4 for the 16 channel means K smoothing subtracts).
     assert ops.get("ld.global.v4.b32") == 8 + 4 * (kind == "quantize_centered_per_block")
@@ -628,8 +631,9 @@ def test_repair_rows_are_the_reference_rows(seed, dtype, batch, seq_len, heads, 
                        tile_repair=torch.empty_like(ref.tile_repair))
     for t in (out.k8[:, :, s_pad:], out.v_packed[..., s_pad:], out.d_k_repair, out.tile_repair):
         t.view(torch.uint8).fill_(POISON)
+    amax = v.float().abs().amax(dim=(1, 3))
     prep_ops.load_prep("repair_rows", dtype)(
-        v, tokens, out.k8, out.d_k, out.v_packed, out.d_v, out.d_k_repair, out.tile_repair
+        v, amax, tokens, out.k8, out.d_k, out.v_packed, out.d_v, out.d_k_repair, out.tile_repair
     )
     _assert_identical(out, ref, f"seed {seed}")
 

@@ -20,7 +20,7 @@ after the tokens' choice (``repair.select_repair_tokens``, one launch of ``sm90.
   AbsmaxPerHead    (V)  v                 -> amax (B, H): atomic max of each block's absmax
   PackV            (V)  v, amax           -> v_packed (B, H, 136, S_pad) E4M3, d_v (B, H),
                                              optionally each token's residual energy (B, H, S) for repair
-  RepairRows            v, tokens (B, H, count), k8, d_k, v_packed, d_v
+  RepairRows            v, amax, tokens (B, H, count), k8, d_k, d_v
                                           -> the R repair keys after the real ones in k8 and v_packed,
                                              d_k_repair (B, H, R), tile_repair (B, H, R)
 
@@ -413,7 +413,13 @@ class PackV:
 
     Grid (n_blocks, H, B). The block goes through shared memory as E4M3 ``sV8[key, channel]`` (128 x 128
     bytes, row-major); packed V reads it back through ``(channel, position) -> sV8[perm(position), channel]``.
+    ``last_read_first``: CTA (x, y, z) takes block (n_blocks - 1 - x, H - 1 - y, B - 1 - z), so that the CTAs
+    launched first read the blocks V's absmax launch (pass 1, right before) read last, which L2 may still hold
+    (False: block (x, y, z), for ``notes/probe_prep_order.py``).
     """
+
+    def __init__(self, last_read_first: bool = True):
+        self.last_read_first = last_read_first
 
     @cute.jit
     def __call__(
@@ -438,6 +444,9 @@ class PackV:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
+        if cutlass.const_expr(self.last_read_first):
+            blocks, heads, batch = cute.arch.grid_dim()
+            n, h, b = blocks - 1 - n, heads - 1 - h, batch - 1 - b
         smem = cutlass.memory.SmemAllocator()
         # sV8: (key 128, channel 128):(128, 1) bytes.
         sV8 = smem.allocate_tensor(
@@ -503,17 +512,27 @@ def _packed_position(key: Int32) -> Int32:
     return (key & ~(CHUNK - 1)) + b0 + 2 * b1 + 4 * lane + 16 * half
 
 
+@cute.jit
+def _key_channels(row: cute.Tensor, tidx: Int32) -> cute.Tensor:
+    """This thread's ``REPAIR_CHANNELS`` consecutive channels of a (128,) row: one vector access."""
+    return cute.local_tile(row, (REPAIR_CHANNELS,), (tidx % REPAIR_THREADS_PER_KEY,))
+
+
 class RepairRows:
     """The V residual repair keys (``preparation.write_repair_rows``, byte for byte): repair key j < count is token
     t = tokens[j]'s K row with its block's descale and index, and its value row ``e4m3(r / d_V)``,
-    ``r = V - d_V V8`` (V8 read back from packed V), in packed V with 0 in the ones rows; keys count .. R - 1 are
-    zero keys in tile 0. Grid (R / 16, H, B); 256 threads, 16 per key, each taking 8 of its channels.
+    ``r = V - d_V V8``, in packed V with 0 in the ones rows; keys count .. R - 1 are zero keys in tile 0. Grid
+    (R / 16, H, B); 256 threads, 16 per key, each taking 8 of its channels.
+
+    V8 is quantized again from V with the head's scale, as ``PackV`` quantized it (the same bytes): one 16-byte load
+    of V instead of 8 single bytes gathered from packed V's rows.
     """
 
     @cute.jit
     def __call__(
         self,
         mV: cute.Tensor,
+        mAmax: cute.Tensor,
         mTokens: cute.Tensor,
         mK8: cute.Tensor,
         mDk: cute.Tensor,
@@ -523,10 +542,11 @@ class RepairRows:
         mTileRepair: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        """mV (B, S, H, 128) fp16/bf16; mTokens (B, H, count) int64; mK8 (B, H, S_pad + R, 128) uint8; mDk
-        (B, H, n_blocks) fp32; mVp (B, H, 136, S_pad + R) uint8; mDv (B, H) fp32; mDkRepair (B, H, R) fp32;
-        mTileRepair (B, H, R) int32. The real keys (k8, d_k, packed V, d_v) are read, the repair keys written."""
-        self.kernel(mV, mTokens, mK8, mDk, mVp, mDv, mDkRepair, mTileRepair).launch(
+        """mV (B, S, H, 128) fp16/bf16; mAmax (B, H) fp32, V's absmax (``PackV``'s); mTokens (B, H, count) int64;
+        mK8 (B, H, S_pad + R, 128) uint8; mDk (B, H, n_blocks) fp32; mVp (B, H, 136, S_pad + R) uint8; mDv (B, H)
+        fp32; mDkRepair (B, H, R) fp32; mTileRepair (B, H, R) int32. The real keys (k8, d_k, d_v) are read, the
+        repair keys written."""
+        self.kernel(mV, mAmax, mTokens, mK8, mDk, mVp, mDv, mDkRepair, mTileRepair).launch(
             grid=[mDkRepair.shape[2] // REPAIR_KEYS_PER_CTA, mDkRepair.shape[1], mDkRepair.shape[0]],
             block=[THREADS, 1, 1],
             stream=stream,
@@ -536,6 +556,7 @@ class RepairRows:
     def kernel(
         self,
         mV: cute.Tensor,
+        mAmax: cute.Tensor,
         mTokens: cute.Tensor,
         mK8: cute.Tensor,
         mDk: cute.Tensor,
@@ -547,42 +568,41 @@ class RepairRows:
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         key = n * REPAIR_KEYS_PER_CTA + tidx // REPAIR_THREADS_PER_KEY
-        first_channel = (tidx % REPAIR_THREADS_PER_KEY) * REPAIR_CHANNELS
         s_pad = mDk.shape[2] * BLOCK
         row = s_pad + key
         column = s_pad + _packed_position(key)
+        k_row = cute.make_rmem_tensor(REPAIR_CHANNELS, Uint8)
         residual8 = cute.make_rmem_tensor(REPAIR_CHANNELS, cutlass.Float8E4M3FN)
         residual8_bytes = cute.recast_tensor(residual8, Uint8)
         if key < mTokens.shape[2]:
             token = Int32(mTokens[b, h, key])
             tile = token // BLOCK
+            cute.autovec_copy(_key_channels(mK8[b, h, token, None], tidx), k_row)
+            v_row = cute.make_rmem_tensor(REPAIR_CHANNELS, mV.element_type)
+            cute.autovec_copy(_key_channels(mV[b, token, h, None], tidx), v_row)
+            scale, _ = _scale_and_descale(mAmax[b, h])
             d_v = mDv[b, h]
-            v8 = cute.make_rmem_tensor(REPAIR_CHANNELS, cutlass.Float8E4M3FN)
-            v8_bytes = cute.recast_tensor(v8, Uint8)
-            token_column = _packed_position(token)
-            for c in cutlass.range(REPAIR_CHANNELS, unroll_full=True):
-                channel = first_channel + c
-                mK8[b, h, row, channel] = mK8[b, h, token, channel]
-                v8_bytes[c] = mVp[b, h, channel, token_column]
+            values = cute.make_rmem_tensor(REPAIR_CHANNELS, Float32)
+            values.store(v_row.load().to(Float32))
             decoded = cute.make_rmem_tensor(REPAIR_CHANNELS, Float32)
-            decoded.store(v8.load().to(Float32))
+            decoded.store(_to_e4m3(values.load(), scale).to(Float32))
             residual = cute.make_rmem_tensor(REPAIR_CHANNELS, Float32)
-            for c in cutlass.range(REPAIR_CHANNELS, unroll_full=True):
+            for c in cutlass.range_constexpr(REPAIR_CHANNELS):
                 # The product rounded on its own and one IEEE division, as torch's kernels round them.
-                value = Float32(mV[b, token, h, first_channel + c]) - mul_rn(d_v, decoded[c])
-                residual[c] = value / d_v
+                residual[c] = (values[c] - mul_rn(d_v, decoded[c])) / d_v
             residual8.store(residual.load().to(cutlass.Float8E4M3FN))
             if tidx % REPAIR_THREADS_PER_KEY == 0:
                 mDkRepair[b, h, key] = mDk[b, h, tile]
                 mTileRepair[b, h, key] = tile
         else:
+            k_row.fill(0)
             residual8_bytes.fill(0)
-            for c in cutlass.range(REPAIR_CHANNELS, unroll_full=True):
-                mK8[b, h, row, first_channel + c] = Uint8(0)
             if tidx % REPAIR_THREADS_PER_KEY == 0:
                 mDkRepair[b, h, key] = Float32(0.0)
                 mTileRepair[b, h, key] = Int32(0)
-        for c in cutlass.range(REPAIR_CHANNELS, unroll_full=True):
+        cute.autovec_copy(k_row, _key_channels(mK8[b, h, row, None], tidx))
+        first_channel = (tidx % REPAIR_THREADS_PER_KEY) * REPAIR_CHANNELS
+        for c in cutlass.range_constexpr(REPAIR_CHANNELS):
             mVp[b, h, first_channel + c, column] = residual8_bytes[c]
         if tidx % REPAIR_THREADS_PER_KEY == 0:
             for i in cutlass.range_constexpr(ONES_ROWS):
