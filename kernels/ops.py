@@ -14,7 +14,7 @@ import torch
 from .compile_cache import load_or_compile
 from .expcast import codes_per_dot
 from .sm90.config import ForwardConfig
-from .preparation import Prepared, PrepareOptions
+from .preparation import REPAIR_ROOM_ALIGN, Prepared, PrepareOptions
 from .sm90.layout import PV_N
 from .sm90.target import COMPILE_OPTIONS, row_major_fake
 from .quant import BLOCK, num_blocks, smoothing_lse_shift, softmax_scale_or_default
@@ -35,10 +35,11 @@ def compile_attention(config: ForwardConfig, kernel_class: type | None = None):
     import cutlass
     import cutlass.cute as cute
 
-    from .sm90.fwd import CONSUMER_WGS, TILE_M, TILE_N, ExpCastAttentionSm90, ForwardArgs
+    from .sm90.fwd import CONSUMER_WGS, TILE_M, ExpCastAttentionSm90, ForwardArgs
 
     batch, heads = cute.sym_int(), cute.sym_int()
-    s_q_pad, s_k_pad = cute.sym_int(divisibility=TILE_M), cute.sym_int(divisibility=TILE_N)
+    # K's rows and packed V's columns: the real keys' whole tiles, then the repair keys' room (a multiple of 64).
+    s_q_pad, s_k_pad = cute.sym_int(divisibility=TILE_M), cute.sym_int(divisibility=REPAIR_ROOM_ALIGN)
     n_q, n_k, s_q, n_r, n_lse = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     slots, split_units = cute.sym_int(), cute.sym_int()
     fake = ForwardArgs(

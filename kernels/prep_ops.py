@@ -16,7 +16,7 @@ import torch
 from cutlass import Float32, Int32, Int64, Uint8
 
 from .compile_cache import load_or_compile
-from .preparation import Prepared, PrepareOptions
+from .preparation import REPAIR_ROOM_ALIGN, Prepared, PrepareOptions, repair_room
 from .quant import BLOCK, code_span_numerator, num_blocks, softmax_scale_or_default
 from .repair import repair_count, repair_score
 from .sm90.guards import DescaleGuards
@@ -118,7 +118,8 @@ def compile_prep(kind: str, dtype: torch.dtype | None = None):
         sums = row_major_fake(Float32, (b, h, cute.sym_int(), HEAD_DIM), 16)
         args = (AbsmaxAndChannelSums(), x, _input_fake(TORCH_TO_CUTLASS[dtype]), per_head, sums)
     elif kind == "repair_rows":
-        s_all, n_k, repair_keys = cute.sym_int(divisibility=BLOCK), cute.sym_int(), cute.sym_int(divisibility=BLOCK)
+        s_all, n_k = cute.sym_int(divisibility=REPAIR_ROOM_ALIGN), cute.sym_int()
+        repair_keys = cute.sym_int(divisibility=REPAIR_ROOM_ALIGN)
         args = (
             RepairRows(), x, per_head, row_major_fake(cutlass.Int64, (b, h, cute.sym_int()), 8),
             row_major_fake(Uint8, (b, h, s_all, HEAD_DIM), 16), row_major_fake(Float32, (b, h, n_k), 4),
@@ -150,8 +151,8 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
 def empty_prepared(
     batch: int, seq_q: int, seq_k: int, heads: int, device: torch.device | str, *, repair_keys: int = 0
 ) -> Prepared:
-    """Uninitialised outputs for ``prepare_into``, with room for ``repair_keys`` (a multiple of 128) after the
-    real keys."""
+    """Uninitialised outputs for ``prepare_into``, with room for ``repair_keys`` (``preparation.repair_room``) after
+    the real keys."""
     n_q, n_k = num_blocks(seq_q), num_blocks(seq_k)
     empty = functools.partial(torch.empty, device=device)
     return Prepared(
@@ -317,7 +318,7 @@ def prepare(
     k_for_sums = ready_k if options.smooth_k and k_mean is None else None
     # V's absmax first: the GPU reads V (and K) while the host makes the buffers.
     amax_v, k_sums = _launch_absmax(kernels, ready_v, k_for_sums, v_absmax)
-    out = empty_prepared(batch, seq_q, seq_k, heads, q.device, repair_keys=num_blocks(count) * BLOCK)
+    out = empty_prepared(batch, seq_q, seq_k, heads, q.device, repair_keys=repair_room(count))
     energy = torch.empty(batch, heads, seq_k, dtype=torch.float32, device=q.device) if count else None
     _launch_pack(kernels, ready_v, amax_v, out, energy)
     if count:

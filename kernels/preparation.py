@@ -9,9 +9,19 @@ from typing import NamedTuple
 
 import torch
 
-from .quant import BLOCK, quantize_inputs, softmax_scale_or_default
+from .quant import BLOCK, num_blocks, quantize_inputs, softmax_scale_or_default
 from .repair import gather_tokens, rank_repair_tokens, repair_count, repair_descales, repair_values
 from .sm90.layout import HEAD_DIM, pack_v, packed_position, padded_len
+
+REPAIR_ROOM_ALIGN = BLOCK // 2
+"""The repair keys' room is a multiple of 64 keys: whole tiles, and a last tile of 64 where the keys fit in it,
+which the kernel runs as half a tile (``sm90.fwd.HALF_TILE_N``)."""
+
+
+def repair_room(count: int) -> int:
+    """Room for ``count`` repair keys after the real ones: ``count`` rounded up to a multiple of 64, the rest zero
+    keys (which change no output: their V rows and ones rows are 0)."""
+    return -(-count // REPAIR_ROOM_ALIGN) * REPAIR_ROOM_ALIGN
 
 
 class PrepareOptions(NamedTuple):
@@ -30,7 +40,7 @@ class Prepared(NamedTuple):
 
     q8 (B, H, Sq_pad, 128), d_q (B, H, n_q), k8 (B, H, Sk_pad + R, 128), d_k (B, H, n_k),
     v_packed (B, H, 136, Sk_pad + R), d_v (B, H), d_k_repair (B, H, R), tile_repair (B, H, R) int32; all
-    contiguous. R (a multiple of 128, 0 without V residual repair) counts the repair keys after the real ones
+    contiguous. R (``repair_room``: a multiple of 64, 0 without V residual repair) counts the repair keys after the real ones
     (``write_repair_rows``): K rows of chosen tokens, each with its own block's descale in ``d_k_repair`` and its
     block's index in ``tile_repair`` (which piece of a split unit keeps it, ``split.py``), and their V residuals.
     """
@@ -47,7 +57,19 @@ class Prepared(NamedTuple):
 
     @property
     def repair_tiles(self) -> int:
-        return self.d_k_repair.shape[-1] // BLOCK
+        """The kernel's key tiles of repair keys, the last of them half a tile where R is an odd multiple of 64."""
+        return num_blocks(self.d_k_repair.shape[-1])
+
+
+def with_whole_repair_tiles(prepared: Prepared) -> Prepared:
+    """``prepared`` with zero keys after its repair keys up to whole tiles (R a multiple of 128), so that the kernel
+    runs no half tile: the same output bytes (tests and notes/probe_repair_tiles.py compare the two)."""
+    extra = prepared.repair_tiles * BLOCK - prepared.d_k_repair.shape[-1]
+    pad = torch.nn.functional.pad
+    return prepared._replace(
+        k8=pad(prepared.k8, (0, 0, 0, extra)), v_packed=pad(prepared.v_packed, (0, extra)),
+        d_k_repair=pad(prepared.d_k_repair, (0, extra)), tile_repair=pad(prepared.tile_repair, (0, extra)),
+    )
 
 
 def write_repair_rows(prepared: Prepared, v: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -66,7 +88,9 @@ def write_repair_rows(prepared: Prepared, v: torch.Tensor, tokens: torch.Tensor)
     prepared.tile_repair[..., count:] = 0
     columns = packed_position(tokens)[:, :, None, :].expand(-1, -1, HEAD_DIM, -1)
     v8 = prepared.v_packed[:, :, :HEAD_DIM].gather(3, columns).transpose(2, 3).view(torch.float8_e4m3fn)
-    prepared.v_packed[..., s_pad:] = pack_v(repair_values(v, v8, tokens, prepared.d_v), ones=False)
+    # pack_v pads to whole tiles; R, a multiple of the 32-key chunk, takes whole chunks of them.
+    room = prepared.d_k_repair.shape[-1]
+    prepared.v_packed[..., s_pad:] = pack_v(repair_values(v, v8, tokens, prepared.d_v), ones=False)[..., :room]
 
 
 def prepare_reference(
@@ -86,7 +110,7 @@ def prepare_reference(
         q, k, v, smooth_k=options.smooth_k, softmax_scale=tau, v_absmax=v_absmax, k_mean=k_mean
     )
     count = repair_count(k.shape[1], options.repair_ratio)
-    room = padded_len(count)
+    room = repair_room(count)
     k8 = torch.nn.functional.pad(k8.view(torch.uint8), (0, 0, 0, room))
     prepared = Prepared(
         q8.view(torch.uint8),

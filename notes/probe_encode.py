@@ -66,7 +66,8 @@ class ClipAndPermute(softmax.ExpCastSoftmax):
                 scores[r, i] = cute.arch.fmax(cute.math.fma(scores[r, i], coef, bias), magic)
 
     @cute.jit
-    def pack_codes(self, frag_p: cute.Tensor):
+    def pack_codes(self, frag_p: cute.Tensor, half: cutlass.Constexpr[bool]):
+        # Every k-block, also for a half tile: its PV reads the first two.
         fill_pv_operand(frag_p, cute.recast_tensor(self.acc_s, Uint32), magic_word)
 
 
@@ -99,7 +100,7 @@ class ConvertEarly(softmax.ExpCastSoftmax):
                 scores[r, 2 * c] = pack_f16_relu_in_f32(high, low)
 
     @cute.jit
-    def pack_codes(self, frag_p: cute.Tensor):
+    def pack_codes(self, frag_p: cute.Tensor, half: cutlass.Constexpr[bool]):
         fill_pv_operand(frag_p, cute.recast_tensor(self.acc_s, Uint32), converted_word)
 
 

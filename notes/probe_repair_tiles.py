@@ -2,6 +2,8 @@
 
   no repair                the shipped kernel on inputs prepared without repair keys
   shipped                  the shipped kernel with the processor's rho (its repair tiles last)
+  last tile whole          the shipped kernel on the same keys and 64 zero keys more, where its last repair tile
+                           holds 64 keys (``preparation.with_whole_repair_tiles``): the half tile's saving
   loaded at the tile       each thread loads its 32 columns' descales at the tile, after the wgmmas (the kernel
                            before ``softmax.REPAIR_KEYS_PER_LANE``'s shuffles): whole units only, timing only
   descales not loaded      repair tiles encoded with one coefficient for every key (s, d_k = 1) instead of each
@@ -27,6 +29,7 @@ from bench_attention import median_over, time_interleaved  # noqa: E402
 from openvc_diffusers.config import OpenVCConfig  # noqa: E402
 from openvc_kernels.expcast import CODE_UNIT, MAX_CODE  # noqa: E402
 from openvc_kernels.ops import compile_attention, forward_args, prepare  # noqa: E402
+from openvc_kernels.preparation import with_whole_repair_tiles  # noqa: E402
 from openvc_kernels.sm90.ptx import mul_rn  # noqa: E402
 from openvc_kernels.sm90 import softmax  # noqa: E402
 from openvc_kernels.sm90.config import ForwardConfig  # noqa: E402
@@ -41,13 +44,13 @@ class LoadedAtTheTile(softmax.ExpCastSoftmax):
     """Each thread loads its 32 columns' descales at the tile, after its wgmmas (the kernel of 2026-12-01)."""
 
     @cute.jit
-    def load_repair_keys(self, d_k: cute.Tensor, first: Int32):
+    def load_repair_keys(self, d_k: cute.Tensor, first: Int32, half: cutlass.Constexpr[bool]):
         self.at_the_tile = (d_k, first)  # read while the same step is traced
 
     @cute.jit
-    def encode_repair_keys(self, token_tiles, visits: cutlass.Constexpr):
+    def encode_repair_keys(self, token_tiles, visits: cutlass.Constexpr, half: cutlass.Constexpr[bool]):
         d_k, first = self.at_the_tile
-        scores, anchor, s = self.scores, self.anchor, self.s
+        scores, anchor, s = self.tile_scores(half), self.anchor, self.s
         unit = Float32(CODE_UNIT)
         top = Float32(MAX_CODE * CODE_UNIT)
         for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
@@ -58,12 +61,12 @@ class LoadedAtTheTile(softmax.ExpCastSoftmax):
 
 class UnloadedDescales(softmax.ExpCastSoftmax):
     @cute.jit
-    def load_repair_keys(self, d_k: cute.Tensor, first: Int32):
+    def load_repair_keys(self, d_k: cute.Tensor, first: Int32, half: cutlass.Constexpr[bool]):
         pass
 
     @cute.jit
-    def encode_repair_keys(self, token_tiles, visits: cutlass.Constexpr):
-        scores, anchor = self.scores, self.anchor
+    def encode_repair_keys(self, token_tiles, visits: cutlass.Constexpr, half: cutlass.Constexpr[bool]):
+        scores, anchor = self.tile_scores(half), self.anchor
         unit = Float32(CODE_UNIT)
         top = Float32(MAX_CODE * CODE_UNIT)
         coef = self.s * unit
@@ -75,7 +78,9 @@ class UnloadedDescales(softmax.ExpCastSoftmax):
 
 class RealTileEncode(softmax.ExpCastSoftmax):
     @cute.jit
-    def encode_repair(self, tiles: cute.Tensor, first: Int32, visits, whole: cutlass.Boolean):
+    def encode_repair(
+        self, tiles: cute.Tensor, first: Int32, visits, whole: cutlass.Boolean, half: cutlass.Constexpr[bool]
+    ):
         self.online_codes(False, Int32(0), self.repair_d_k[0], False)
 
 
@@ -111,6 +116,10 @@ def main():
         calls = {"no repair": lambda i: kernels["shipped"](*args[0.0][i])}
         for name, kernel in kernels.items():
             calls[name] = lambda i, kernel=kernel: kernel(*args[rho][i])
+        if args[rho][0].d_k_repair.shape[-1] % 128:
+            whole = [forward_args(with_whole_repair_tiles(prepare(*s, repair_ratio=rho)), out, softmax_scale=TAU,
+                                  window=4, split_tail=True) for s in sets]
+            calls["last tile whole"] = lambda i: kernels["shipped"](*whole[i])
         times = time_interleaved(list(calls.values()), [[0], [1]], "back_to_back", BUDGET_MS)
         tiles = args[rho][0].repair_tiles
         print(f"S={seq} H={heads}: {tiles} repair tiles of {args[0.0][0].k8.shape[2] // 128} key tiles")

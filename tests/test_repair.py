@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from openvc_kernels.preparation import PrepareOptions, prepare_reference
+from openvc_kernels.preparation import PrepareOptions, prepare_reference, repair_room, with_whole_repair_tiles
 from openvc_kernels.quant import BLOCK, quantize_per_head
 from openvc_kernels.repair import (
     ORDER_KEY_NAN,
@@ -46,7 +46,8 @@ def test_repair_keys_follow_the_reference_choice(fresh_seed, ranking):
     assert (tokens == best).any(-1).all(), "the best token is chosen"
     assert (tokens.diff(dim=-1) > 0).all(), "ascending"
 
-    assert repaired.repair_tiles == 2 and repaired.k8.shape[2] == s_pad + 2 * BLOCK
+    room = repair_room(count)  # 192: a whole tile and a half one
+    assert repaired.repair_tiles == 2 and repaired.k8.shape[2] == s_pad + room == s_pad + 3 * BLOCK // 2
     assert torch.equal(repaired.k8[:, :, :s_pad], prepared.k8)
     assert torch.equal(repaired.k8[:, :, s_pad : s_pad + count], gather_tokens(prepared.k8, tokens))
     assert (repaired.k8[:, :, s_pad + count :] == 0).all()
@@ -56,12 +57,34 @@ def test_repair_keys_follow_the_reference_choice(fresh_seed, ranking):
     assert (repaired.tile_repair[..., count:] == 0).all()
 
     values = repaired.v_packed[..., s_pad:]
-    assert torch.equal(values, pack_v(quantize_repair_rows(gather_tokens(residual, tokens), d_v), ones=False))
+    assert values.shape[-1] == room
+    packed = pack_v(quantize_repair_rows(gather_tokens(residual, tokens), d_v), ones=False)
+    assert torch.equal(values, packed[..., :room]) and (packed[..., room:] == 0).all()
     assert (values[:, :, HEAD_DIM:] == 0).all(), "repair keys must stay out of the denominator"
     assert ((prepared.v_packed[:, :, HEAD_DIM:] == E4M3_ONE).sum(-1) == 700).all()  # the real keys' ones
     assert torch.equal(repaired.v_packed[..., :s_pad], prepared.v_packed)
     for name in ("q8", "d_q", "d_k", "d_v"):
         assert torch.equal(getattr(repaired, name), getattr(prepared, name)), name
+
+
+@pytest.mark.parametrize(
+    "count,room,tiles", [(0, 0, 0), (1, 64, 1), (64, 64, 1), (65, 128, 1), (128, 128, 1), (164, 192, 2), (300, 320, 3)]
+)
+def test_repair_room_is_whole_tiles_and_a_half_tile_where_the_keys_fit(count, room, tiles):
+    """R rounds the count up to 64 keys: the kernel runs a last tile of 64 keys as half a tile."""
+    assert repair_room(count) == room
+    q, k, v = (torch.randn(1, 640, 1, HEAD_DIM) for _ in range(3))
+    repaired = prepare_reference(q, k, v, PrepareOptions(repair_ratio=count / 640))
+    assert repaired.repair_tiles == tiles
+    assert repaired.k8.shape[2] == repaired.v_packed.shape[3] == 640 + room
+    assert repaired.d_k_repair.shape[-1] == repaired.tile_repair.shape[-1] == room
+    whole = with_whole_repair_tiles(repaired)  # zero keys up to whole tiles, the rest the same
+    assert whole.repair_tiles == tiles and whole.d_k_repair.shape[-1] == tiles * BLOCK
+    for name in ("k8", "v_packed", "d_k_repair", "tile_repair"):
+        ends = getattr(repaired, name).shape[-2 if name == "k8" else -1]
+        kept = getattr(whole, name)[:, :, :ends] if name == "k8" else getattr(whole, name)[..., :ends]
+        added = getattr(whole, name)[:, :, ends:] if name == "k8" else getattr(whole, name)[..., ends:]
+        assert torch.equal(kept, getattr(repaired, name)) and (added == 0).all(), name
 
 
 def test_no_repair_keys_at_ratio_zero():

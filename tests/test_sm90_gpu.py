@@ -5,9 +5,9 @@ import torch
 
 from openvc_kernels import compile_cache
 from openvc_kernels.ops import attention, attention_prepared, prepare, sm_count
-from openvc_kernels.quant import num_blocks
+from openvc_kernels.quant import BLOCK, num_blocks
 from openvc_kernels.split import plan_tail_split
-from openvc_kernels.preparation import Prepared, prepare_reference
+from openvc_kernels.preparation import Prepared, prepare_reference, with_whole_repair_tiles
 from openvc_kernels.reference import reference_attention
 
 pytestmark = [
@@ -138,6 +138,28 @@ def test_tail_split_with_repair_matches_reference(window):
     _assert_matches(out, q, k, v, repair_ratio=0.02, window=window)
     for _ in range(2):
         assert torch.equal(attention(q, k, v, repair_ratio=0.02, window=window), out)
+
+
+@pytest.mark.parametrize(
+    "batch,seq,heads,ratio,window",
+    [(1, 32760, 12, 0.005, 4), (2, 4100, 3, 0.01, 4), (2, 4096, 1, 0.005, None), (1, 6144, 3, 0.01, 4)],
+)
+def test_a_half_repair_tile_gives_the_bytes_of_a_whole_one(batch, seq, heads, ratio, window):
+    """A last repair tile of 64 keys (an n64 QK^T, PV over two k-blocks) against the same keys with 64 zero keys
+    more, in a whole tile: the same output bytes, whole units and split ones (2 x 4096 x 1 splits on an H200), with
+    and without whole repair tiles before it (164 keys: one and a half tiles; 41 and 20: half a tile)."""
+    q, k, v = _inputs(batch, seq, seq, heads)
+    v = _outlier_values(v)
+    prepared = prepare(q, k, v, repair_ratio=ratio)
+    assert prepared.d_k_repair.shape[-1] % BLOCK == BLOCK // 2
+    outputs = []
+    for p in (prepared, with_whole_repair_tiles(prepared)):
+        out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+        outputs.append(attention_prepared(p, out, softmax_scale=128**-0.5, window=window))
+    torch.cuda.synchronize()
+    assert not outputs[0].isnan().any(), "output elements left unwritten"
+    assert torch.equal(outputs[0], outputs[1])
+    _assert_matches(outputs[0], q, k, v, repair_ratio=ratio, window=window)
 
 
 @pytest.mark.parametrize("window", [None, 0, 1, 4, 100])

@@ -14,8 +14,9 @@ Shared memory (FP8 bytes, 128B-swizzled, K-major rows of 128 bytes):
   sV  (136 packed-V rows, 128 key positions, KV_STAGES)   rows 128..135 are the ones rows
 Global inputs (all FP8 as uint8 bytes): q8 (B, H, Sq_pad, 128), k8 (B, H, Sk_pad + R, 128); packed V
 (B, H, 136, Sk_pad + R); descales d_q (B, H, n_q), d_k (B, H, n_k), d_v (B, H), d_k_repair (B, H, R) for the
-R = 128 * repair_tiles V-repair keys after the real ones (visited last, on the final anchor, ones rows 0; a piece
-keeps those whose token's tile, tile_repair (B, H, R) int32, it visited);
+R V-repair keys after the real ones (visited last, on the final anchor, ones rows 0; a piece keeps those whose
+token's tile, tile_repair (B, H, R) int32, it visited), in repair_tiles tiles: R is a multiple of 64
+(``preparation.repair_room``), and a last tile of 64 keys runs as half a tile (``HALF_TILE_N``);
 output (B, S, H, 128) bf16; with ``ForwardConfig.write_lse`` each row's log-sum-exp lse (B, H, S) fp32; the split's
 workspace (``pieces.py``).
 
@@ -44,13 +45,17 @@ from . import pieces, softmax
 from .ptx import mul_rn
 from .barriers import NamedBarrier
 from .config import ForwardConfig
-from .layout import PV_N
+from .layout import CHUNK, PV_N
 
 FP8 = cutlass.Float8E4M3FN
 TILE_M = BLOCK
 """Query rows per CTA: one Q quantization block, so one d_q per CTA."""
 TILE_N = BLOCK
 """Keys per tile: one K quantization block, so one d_k per tile."""
+HALF_TILE_N = TILE_N // 2
+"""Keys of a last repair tile that holds no more (``preparation.repair_room``): its QK^T is one n64 wgmma on the
+first 64 rows of the K stage, its PV the first two of the four 32-key k-blocks, its softmax half the columns. The
+loads stay whole tiles: TMA fills the rows past the tensor's end with zeros."""
 WG_THREADS = 128
 CONSUMER_WGS = 2
 """Each consumer warpgroup owns 64 of the tile's rows (the wgmma M)."""
@@ -78,15 +83,18 @@ def _as_fp8_tma_view(t: cute.Tensor) -> cute.Tensor:
 
 
 @cute.jit
-def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a, frag_b, zero_init):
-    """Issue one warpgroup's wgmmas over the K blocks and commit them as one group (no wait).
+def _gemm(
+    tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a, frag_b, zero_init, k_blocks: cutlass.Constexpr = None
+):
+    """Issue one warpgroup's wgmmas over the K blocks (the first ``k_blocks`` of them, default all) and commit them
+    as one group (no wait).
 
     ``zero_init`` may be a run-time Boolean: it is the wgmma's scale-d predicate.
     """
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+    for k in cutlass.range_constexpr(cute.size(frag_a.shape[2]) if k_blocks is None else k_blocks):
         cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
@@ -130,23 +138,33 @@ class Piece(NamedTuple):
 
 class Gemms(NamedTuple):
     """One consumer warpgroup's two matrix products: S = Q K^T (SS, into ``acc_s``) and PV = P V (RS: P from the
-    registers of ``frag_p``, into ``acc_pv``); ``frag_k`` and ``frag_v`` span the KV stages."""
+    registers of ``frag_p``, into ``acc_pv``); ``frag_k`` and ``frag_v`` span the KV stages. A half tile's S
+    (``HALF_TILE_N`` keys): ``tiled_qk_half`` from ``frag_k_half``, the stages' first 64 rows, into ``acc_s_half``,
+    registers of its own (written into half of ``acc_s``'s, ptxas serializes every wgmma of the kernel)."""
 
     tiled_qk: cute.TiledMma
+    tiled_qk_half: cute.TiledMma
     tiled_pv: cute.TiledMma
     frag_q: cute.Tensor
     frag_k: cute.Tensor
+    frag_k_half: cute.Tensor
     frag_v: cute.Tensor
     frag_p: cute.Tensor
     acc_s: cute.Tensor
+    acc_s_half: cute.Tensor
     acc_pv: cute.Tensor
 
-    def issue_qk(self, stage: Int32):
-        _gemm(self.tiled_qk, self.acc_s, self.frag_q, self.frag_k[None, None, None, stage], True)
+    def issue_qk(self, stage: Int32, half: bool = False):
+        if half:
+            _gemm(self.tiled_qk_half, self.acc_s_half, self.frag_q, self.frag_k_half[None, None, None, stage], True)
+        else:
+            _gemm(self.tiled_qk, self.acc_s, self.frag_q, self.frag_k[None, None, None, stage], True)
 
-    def issue_pv(self, stage: Int32, fresh: cutlass.Boolean):
-        """``fresh``: start a new PV chain (the wgmma's scale-d predicate off) instead of adding to ``acc_pv``."""
-        _gemm(self.tiled_pv, self.acc_pv, self.frag_p, self.frag_v[None, None, None, stage], fresh)
+    def issue_pv(self, stage: Int32, fresh: cutlass.Boolean, half: bool = False):
+        """``fresh``: start a new PV chain (the wgmma's scale-d predicate off) instead of adding to ``acc_pv``;
+        ``half``: the first ``HALF_TILE_N`` keys only."""
+        k_blocks = HALF_TILE_N // CHUNK if half else None
+        _gemm(self.tiled_pv, self.acc_pv, self.frag_p, self.frag_v[None, None, None, stage], fresh, k_blocks)
 
 
 def _taken(t: cute.Tensor, taken: bool) -> cute.Tensor | None:
@@ -212,6 +230,9 @@ class ExpCastAttentionSm90:
         tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
             FP8, FP8, operand_k, operand_k, Float32, (CONSUMER_WGS, 1, 1), (64, TILE_N)
         )
+        tiled_mma_qk_half = sm90_helpers.make_trivial_tiled_mma(
+            FP8, FP8, operand_k, operand_k, Float32, (CONSUMER_WGS, 1, 1), (64, HALF_TILE_N)
+        )
         tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
             FP8, FP8, operand_k, operand_k, Float32, (CONSUMER_WGS, 1, 1), (64, PV_N),
             warpgroup.OperandSource.RMEM,
@@ -250,7 +271,7 @@ class ExpCastAttentionSm90:
             tma_q, tma_k, tma_v,
             codes_per_dot, seqlen_k, window, repair_tiles, whole_units, *divisors,
             sQ_layout, sK_layout, sV_layout,
-            tiled_mma_qk, tiled_mma_pv,
+            tiled_mma_qk, tiled_mma_qk_half, tiled_mma_pv,
             SharedStorage,
         ).launch(
             grid=[whole_units + (units - whole_units) * splits, 1, 1],
@@ -290,6 +311,7 @@ class ExpCastAttentionSm90:
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma,
+        tiled_mma_qk_half: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
@@ -348,7 +370,7 @@ class ExpCastAttentionSm90:
                 sQ, sK, sV, d_q[batch, head, None], d_k[batch, head, None], d_v[batch, head],
                 d_k_repair[batch, head, None], tile_repair[batch, head, None], out[batch, None, head, None],
                 _head_rows(lse, batch, head),
-                tiled_mma_qk, tiled_mma_pv,
+                tiled_mma_qk, tiled_mma_qk_half, tiled_mma_pv,
                 pipeline_q, pipeline_k, pipeline_v, tidx, m_block, visit, codes_per_dot, seqlen_k, repair_tiles,
                 Piece(piece, n_pieces, slot, piece_sums, piece_anchors, arrivals[unit - whole_units, None],
                       storage.arrivals_seen.get_tensor(cute.make_layout(CONSUMER_WGS))),
@@ -443,6 +465,7 @@ class ExpCastAttentionSm90:
         out: cute.Tensor,
         lse: cute.Tensor | None,
         tiled_mma_qk: cute.TiledMma,
+        tiled_mma_qk_half: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         pipeline_q: pipeline.PipelineAsync,
         pipeline_k: pipeline.PipelineAsync,
@@ -465,17 +488,28 @@ class ExpCastAttentionSm90:
         thr_pv = tiled_mma_pv.get_slice(tidx)
         frag_q = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
         frag_k = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        wg_qk_half = tiled_mma_qk_half.get_slice(wg * WG_THREADS)
+        sK_half = cute.local_tile(sK, (HALF_TILE_N, HEAD_DIM, self.config.kv_stages), (0, 0, 0))
+        frag_k_half = wg_qk_half.make_fragment_B(wg_qk_half.partition_B(sK_half))
         frag_v = wg_pv.make_fragment_B(wg_pv.partition_B(sV))
         frag_p = wg_pv.make_fragment_A(wg_pv.partition_shape_A((TILE_M, TILE_N)))
         acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_M, TILE_N)), Float32)
+        acc_s_half = cute.make_rmem_tensor(
+            tiled_mma_qk_half.get_slice(tidx).partition_shape_C((TILE_M, HALF_TILE_N)), Float32
+        )
         # acc_pv: the PV wgmma's accumulator over the last tiles (< promote_every); acc_o: FP32 sum.
         acc_pv = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, PV_N)), Float32)
         acc_o = cute.make_rmem_tensor_like(acc_pv)
         acc_o.fill(0.0)
-        gemms = Gemms(tiled_mma_qk, tiled_mma_pv, frag_q, frag_k, frag_v, frag_p, acc_s, acc_pv)
+        gemms = Gemms(
+            tiled_mma_qk, tiled_mma_qk_half, tiled_mma_pv, frag_q, frag_k, frag_k_half, frag_v, frag_p, acc_s,
+            acc_s_half, acc_pv,
+        )
         key_coords = softmax.rows_view(thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
-        rows = self.softmax_class(acc_s, key_coords, mul_rn(codes_per_dot, d_q[m_block]))
+        rows = self.softmax_class(acc_s, acc_s_half, key_coords, mul_rn(codes_per_dot, d_q[m_block]))
         last_tile = visit.n_k - 1
+        half_last = (repair_tiles > 0) & (d_k_repair.shape[0] < repair_tiles * TILE_N)
+        whole_repair_tiles = repair_tiles - Int32(half_last)
         keys = Keys(d_k, d_k_repair, tile_repair, last_tile, seqlen_k - last_tile * TILE_N)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -489,7 +523,7 @@ class ExpCastAttentionSm90:
         warpgroup.wait_group(0)
         pipeline_k.consumer_release(state)
         rows.online_codes(tile == keys.last_tile, keys.last_valid, d_k_tile, True)
-        rows.pack_codes(frag_p)
+        rows.pack_codes(frag_p, False)
 
         if const_expr(self.config.pingpong):
             if wg == 0:
@@ -499,12 +533,19 @@ class ExpCastAttentionSm90:
             visit=visit, keys=keys, wg=wg,
         )
         for j in cutlass.range(1, visit.n_real, unroll=1):
-            state = step(j, state, False)
-        for j in cutlass.range(visit.n_real, visit.n_real + repair_tiles, unroll=1):
-            state = step(j, state, True)
+            state = step(j, state, False, False)
+        for j in cutlass.range(visit.n_real, visit.n_real + whole_repair_tiles, unroll=1):
+            state = step(j, state, True, False)
+        # The last repair tile as half a tile: a loop of one step or none.
+        for j in cutlass.range(visit.n_real + whole_repair_tiles, visit.n_real + repair_tiles, unroll=1):
+            state = step(j, state, True, True)
 
         pipeline_v.consumer_wait(state)
-        gemms.issue_pv(state.index, (visit.n_real + repair_tiles - 1) % self.config.promote_every == 0)
+        fresh = (visit.n_real + repair_tiles - 1) % self.config.promote_every == 0
+        if half_last:
+            gemms.issue_pv(state.index, fresh, True)
+        else:
+            gemms.issue_pv(state.index, fresh)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(state)
         rows.accumulate_last(acc_o, acc_pv)
@@ -525,6 +566,7 @@ class ExpCastAttentionSm90:
         j: Int32,
         state: pipeline.PipelineState,
         repair: cutlass.Constexpr[bool],
+        half: cutlass.Constexpr[bool],
         gemms: Gemms,
         rows: softmax.ExpCastSoftmax,
         acc_o: cute.Tensor,
@@ -537,18 +579,18 @@ class ExpCastAttentionSm90:
         """Step j: QK^T(j) and PV(j - 1) in flight together, then key tile j's softmax, then PV(j - 1)'s sum.
 
         A repair tile neither moves the max nor the anchor: its keys encode on the final grid, each with its own K
-        descale, those of tokens in tiles this CTA did not visit (another piece's) to 0. ``consume`` binds every
-        argument after ``repair`` once, for the whole loop.
+        descale, those of tokens in tiles this CTA did not visit (another piece's) to 0. ``half``: a repair tile of
+        ``HALF_TILE_N`` keys (the last). ``consume`` binds every argument after ``half`` once, for the whole loop.
         """
         prev = state.clone()
         state.advance()
         if const_expr(repair):
             # Before the wgmmas: the loads' L2 latency passes under them.
-            rows.load_repair_keys(keys.d_k_repair, (j - visit.n_real) * TILE_N)
+            rows.load_repair_keys(keys.d_k_repair, (j - visit.n_real) * TILE_N, half)
         pipeline_k.consumer_wait(state)
         if const_expr(self.config.pingpong):
             cute.arch.barrier(barrier_id=NamedBarrier.SCHEDULER + wg, number_of_threads=2 * WG_THREADS)
-        gemms.issue_qk(state.index)
+        gemms.issue_qk(state.index, half)
         pipeline_v.consumer_wait(prev)
         gemms.issue_pv(prev.index, (j - 1) % self.config.promote_every == 0)
         if const_expr(self.config.pingpong):
@@ -557,7 +599,8 @@ class ExpCastAttentionSm90:
         pipeline_k.consumer_release(state)
         if const_expr(repair):
             visits = functools.partial(self.piece_visits, visit=visit)
-            rows.encode_repair(keys.tile_repair, (j - visit.n_real) * TILE_N, visits, visit.n_real == visit.n_k)
+            first_key = (j - visit.n_real) * TILE_N
+            rows.encode_repair(keys.tile_repair, first_key, visits, visit.n_real == visit.n_k, half)
         else:
             tile = self.tile_at(visit.first + j, visit)
             rows.online_codes(tile == keys.last_tile, keys.last_valid, keys.d_k[tile], False)
@@ -565,7 +608,7 @@ class ExpCastAttentionSm90:
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(prev)
         rows.accumulate(acc_o, gemms.acc_pv, j % self.config.promote_every == 0)
-        rows.pack_codes(gemms.frag_p)
+        rows.pack_codes(gemms.frag_p, half)
         return state
 
     @cute.jit

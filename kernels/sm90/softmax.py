@@ -89,7 +89,8 @@ class ExpCastSoftmax:
     """One consumer thread's ExpCast softmax over its two rows of each key tile (FA4's ``Softmax`` in spirit).
 
     Bound once for the whole loop: the QK accumulator ``acc_s`` (the tile's raw scores, encoded in place), its rows
-    view ``scores``, the (row, key) coordinates ``key_coords`` of those values (the rows view of the tile's identity
+    view ``scores``, the same of a last repair tile of 64 keys (``acc_s_half``, ``scores_half``: keys 0..63 are
+    columns 0..15 of either view, ``tile_scores``), the (row, key) coordinates ``key_coords`` of those values (the rows view of the tile's identity
     tensor partitioned like them) and ``s``, the codes per raw score unit (d_q included). Row state, (2,) FP32 each:
     the running max ``m``, the code ``anchor``, ``alpha`` (the last tile's rescale of earlier sums) and ``pending``
     (O's rescale since the PV sum last moved into it, ``accumulate``).
@@ -98,9 +99,11 @@ class ExpCastSoftmax:
     to leave steps out or swap them.
     """
 
-    def __init__(self, acc_s: cute.Tensor, key_coords: cute.Tensor, s: Float32):
+    def __init__(self, acc_s: cute.Tensor, acc_s_half: cute.Tensor, key_coords: cute.Tensor, s: Float32):
         self.acc_s = acc_s
         self.scores = rows_view(acc_s)
+        self.acc_s_half = acc_s_half
+        self.scores_half = rows_view(acc_s_half)
         self.key_coords = key_coords
         self.m = cute.make_rmem_tensor((2,), Float32)
         self.anchor = cute.make_rmem_tensor((2,), Float32)
@@ -163,25 +166,38 @@ class ExpCastSoftmax:
                 scores[r, i] = cute.math.fma(scores[r, i], coef, bias)
 
     @cute.jit
-    def load_repair_keys(self, d_k: cute.Tensor, first: Int32):
+    def load_repair_keys(self, d_k: cute.Tensor, first: Int32, half: cutlass.Constexpr[bool]):
         """Start loading the K descales (``d_k``, the head's R) of this lane's ``REPAIR_KEYS_PER_LANE`` keys of the
-        repair tile whose keys start at ``first``. Called before the tile's wgmmas, read in ``encode_repair``."""
+        repair tile whose keys start at ``first``. Called before the tile's wgmmas, read in ``encode_repair``.
+        ``half``: a tile of 64 keys, the last, whose other 64 are past R (lanes of row groups 4..7 load none)."""
         descales = self.repair_d_k
         for p in cutlass.range_constexpr(REPAIR_KEYS_PER_LANE):
-            descales[p] = d_k[self.repair_key(first, p)]
+            key = self.repair_key(first, p)
+            if const_expr(half):
+                if key < d_k.shape[0]:
+                    descales[p] = d_k[key]
+            else:
+                descales[p] = d_k[key]
 
     def repair_key(self, first: Int32, slot: int) -> Int32:
         """The key this lane loads into ``slot``: that of score column ``4 g + slot`` (g: the lane's row group in its
         warp), column ``slot``'s key plus ``REPAIR_GROUP_KEYS g``."""
         return first + self.key_coords[0, slot][1] + REPAIR_GROUP_KEYS * (cute.arch.lane_idx() // 4)
 
+    def tile_scores(self, half: bool) -> cute.Tensor:
+        """The rows view of a tile's scores (32 columns a thread), or of a half tile's (16: keys 0..63)."""
+        return self.scores_half if half else self.scores
+
     @cute.jit
-    def encode_repair(self, tiles: cute.Tensor, first: Int32, visits, whole: cutlass.Boolean):
+    def encode_repair(
+        self, tiles: cute.Tensor, first: Int32, visits, whole: cutlass.Boolean, half: cutlass.Constexpr[bool]
+    ):
         """A repair tile: ``encode`` with a coefficient per key (each key's own descale: repair keys come from any
         block; ``load_repair_keys``) on the row's final anchor, which the tile does not move (alpha = 1); code 0 for
         the keys whose token's tile (``tiles``, the head's R, from ``first``) this CTA did not visit
         (``visits(tile)`` false: another piece's keys). ``whole``: this CTA visits every tile (an unsplit unit), so
-        every key is its own and neither ``tiles`` nor ``visits`` is read.
+        every key is its own and neither ``tiles`` nor ``visits`` is read. ``half``: a tile of 64 keys, the last
+        (``load_repair_keys``), its scores in ``acc_s_half``.
 
         A repair key's score equals that of the real key it copies, which this CTA visited, so its code stays at or
         below the row max's; the zero keys padding the last repair tile score 0, which a row whose scores are all
@@ -190,19 +206,26 @@ class ExpCastSoftmax:
         """
         self.alpha.fill(1.0)
         if whole:
-            self.encode_repair_keys(None, None)
+            self.encode_repair_keys(None, None, half)
         else:
             token_tiles = cute.make_rmem_tensor((REPAIR_KEYS_PER_LANE,), Int32)
             for p in cutlass.range_constexpr(REPAIR_KEYS_PER_LANE):
-                token_tiles[p] = tiles[self.repair_key(first, p)]
-            self.encode_repair_keys(token_tiles, visits)
+                key = self.repair_key(first, p)
+                if const_expr(half):
+                    if key < tiles.shape[0]:
+                        token_tiles[p] = tiles[key]
+                else:
+                    token_tiles[p] = tiles[key]
+            self.encode_repair_keys(token_tiles, visits, half)
 
     @cute.jit
-    def encode_repair_keys(self, token_tiles: cute.Tensor | None, visits: cutlass.Constexpr):
+    def encode_repair_keys(
+        self, token_tiles: cute.Tensor | None, visits: cutlass.Constexpr, half: cutlass.Constexpr[bool]
+    ):
         """``encode_repair``'s codes; ``visits`` None keeps every key (one path per case, each fully unrolled). Each
         column's descale (and token's tile, ``token_tiles``: this lane's) comes by shuffle from the lane that loaded
-        it (``repair_key_source``)."""
-        scores, anchor, s, descales = self.scores, self.anchor, self.s, self.repair_d_k
+        it (``repair_key_source``); a half tile's columns come from row groups 0..3 only."""
+        scores, anchor, s, descales = self.tile_scores(half), self.anchor, self.s, self.repair_d_k
         unit = Float32(CODE_UNIT)
         top = Float32(MAX_CODE * CODE_UNIT)
         biases = [anchor[r] * unit for r in range(2)]
@@ -220,17 +243,18 @@ class ExpCastSoftmax:
                     scores[r, i] = code if kept else Float32(0.0)
 
     @cute.jit
-    def pack_codes(self, frag_p: cute.Tensor):
-        """Encoded accumulator -> E4M3 A fragment of the PV wgmma (see layout.py).
+    def pack_codes(self, frag_p: cute.Tensor, half: cutlass.Constexpr[bool]):
+        """Encoded accumulator -> E4M3 A fragment of the PV wgmma (see layout.py); ``half``: its first two
+        k-blocks (keys 0..63) only, all that a half tile's PV reads.
 
         ``frag_p`` is ``((4, 2, 2), 1, K/32)``: 16 bytes per 32-key k-block, word ``r + 2 h`` holding row r,
         k positions ``4 lane + 16 h + 0..3``. Those take accumulator columns ``2 lane + e + 8 c`` of the
         k-block's 4 column groups, c = 2h (bytes 0, 1) and 2h + 1 (bytes 2, 3): one conversion per column group
         (e = 0 low half, e = 1 high half), one PRMT per word.
         """
-        codes = self.acc_s
+        codes = self.acc_s_half if half else self.acc_s
         p_words = cute.recast_tensor(frag_p, Uint32)
-        k_blocks = cute.size(frag_p, mode=[2])
+        k_blocks = cute.size(frag_p, mode=[2]) // (2 if half else 1)
         for kb in cutlass.range_constexpr(k_blocks):
             for h in cutlass.range_constexpr(2):
                 for r in cutlass.range_constexpr(2):
