@@ -170,14 +170,18 @@ class ExpCastSoftmax:
         """Start loading the K descales (``d_k``, the head's R) of this lane's ``REPAIR_KEYS_PER_LANE`` keys of the
         repair tile whose keys start at ``first``. Called before the tile's wgmmas, read in ``encode_repair``.
         ``half``: a tile of 64 keys, the last, whose other 64 are past R (lanes of row groups 4..7 load none)."""
-        descales = self.repair_d_k
+        self.load_lane_keys(d_k, first, half, self.repair_d_k)
+
+    @cute.jit
+    def load_lane_keys(self, row: cute.Tensor, first: Int32, half: cutlass.Constexpr[bool], into: cute.Tensor):
+        """``into[p] = row[repair_key(first, p)]`` for this lane's slots; in a half tile, none past the row's end."""
         for p in cutlass.range_constexpr(REPAIR_KEYS_PER_LANE):
             key = self.repair_key(first, p)
             if const_expr(half):
-                if key < d_k.shape[0]:
-                    descales[p] = d_k[key]
+                if key < row.shape[0]:
+                    into[p] = row[key]
             else:
-                descales[p] = d_k[key]
+                into[p] = row[key]
 
     def repair_key(self, first: Int32, slot: int) -> Int32:
         """The key this lane loads into ``slot``: that of score column ``4 g + slot`` (g: the lane's row group in its
@@ -209,13 +213,7 @@ class ExpCastSoftmax:
             self.encode_repair_keys(None, None, half)
         else:
             token_tiles = cute.make_rmem_tensor((REPAIR_KEYS_PER_LANE,), Int32)
-            for p in cutlass.range_constexpr(REPAIR_KEYS_PER_LANE):
-                key = self.repair_key(first, p)
-                if const_expr(half):
-                    if key < tiles.shape[0]:
-                        token_tiles[p] = tiles[key]
-                else:
-                    token_tiles[p] = tiles[key]
+            self.load_lane_keys(tiles, first, half, token_tiles)
             self.encode_repair_keys(token_tiles, visits, half)
 
     @cute.jit
