@@ -17,7 +17,7 @@ from cutlass import Float32, Int32, Int64, Uint8
 
 from .compile_cache import load_or_compile
 from .preparation import REPAIR_ROOM_ALIGN, Prepared, PrepareOptions, repair_room
-from .quant import BLOCK, code_span_numerator, num_blocks, softmax_scale_or_default
+from .quant import BLOCK, code_span_numerator, mean_tokens, num_blocks, softmax_scale_or_default
 from .repair import repair_count, repair_score
 from .sm90.guards import DescaleGuards
 from .sm90.layout import HEAD_DIM, PV_N
@@ -220,7 +220,7 @@ def _empty_block_sums(k: torch.Tensor) -> torch.Tensor:
 def _mean_of_block_sums(sums: torch.Tensor, seq_len: int) -> torch.Tensor:
     """K's channel mean from its block sums, one launch (``sm90.prep.ChannelMean``): ``(B, H, 128)`` FP32."""
     mean = torch.empty(sums.shape[0], sums.shape[1], HEAD_DIM, dtype=torch.float32, device=sums.device)
-    load_prep("channel_mean")(sums, mean, seq_len)
+    load_prep("channel_mean")(sums, mean, mean_tokens(seq_len))
     return mean
 
 

@@ -150,19 +150,35 @@ BLOCK_SUM_ORDER = (4, 8, 4)
 """How a 128-token block of K is summed per channel (``channel_block_sums``, the fused preparation's order):
 (passes, warps, rows), token = 32 pass + 4 warp + row. The 4 passes of a (warp, row) are added in order, then the
 4 rows of a warp pairwise, (0 + 1) + (2 + 3), then the 8 warps in order."""
+MEAN_TOKEN_STRIDE = 8
+"""``channel_mean`` reads every 8th key (tokens 0, 8, 16, ...): any vector subtracted leaves softmax unchanged in
+exact math, and an even eighth of the keys estimates the channel offsets that smoothing removes as well as all of
+them (``notes/accuracy.md``), for an eighth of the reads."""
 MEAN_SEGMENTS = 8
 """``channel_mean`` adds a head's block sums in this many consecutive segments, each in order from 0, then the
 segments in order."""
 
 
+def mean_tokens(seq_len: int) -> int:
+    """How many keys of a sequence of ``seq_len`` ``channel_mean`` reads (every ``MEAN_TOKEN_STRIDE``-th)."""
+    return -(-seq_len // MEAN_TOKEN_STRIDE)
+
+
+def mean_token_mask(seq_len: int, start: int = 0) -> torch.Tensor:
+    """Which of the tokens ``start .. start + seq_len - 1`` of a sequence (a shard of it, from ``start``)
+    ``channel_mean`` of the whole sequence reads: ``(seq_len,)`` bool. A ring's shards sum these keys of theirs."""
+    return torch.arange(start, start + seq_len) % MEAN_TOKEN_STRIDE == 0
+
+
 def channel_block_sums(k: torch.Tensor) -> torch.Tensor:
-    """Each 128-token block's per-channel FP32 sums of ``(B, S, H, D)`` K, zero-padded to whole blocks, added in
+    """Each 128-token block's per-channel FP32 sums of the keys of ``(B, S, H, D)`` K that ``channel_mean`` reads
+    (every ``MEAN_TOKEN_STRIDE``-th; the others and the padding to whole blocks count as +0), added in
     ``BLOCK_SUM_ORDER``: ``(B, H, n_blocks, D)``."""
     batch, seq_len, heads, dim = k.shape
     n = num_blocks(seq_len)
     passes, warps, rows = BLOCK_SUM_ORDER
     x = k.new_zeros(batch, n * BLOCK, heads, dim, dtype=torch.float32)
-    x[:, :seq_len] = k
+    x[:, :seq_len:MEAN_TOKEN_STRIDE] = k[:, ::MEAN_TOKEN_STRIDE]
     x = x.view(batch, n, passes, warps, rows, heads, dim)
     s = x[:, :, 0]
     for p in range(1, passes):
@@ -176,12 +192,12 @@ def channel_block_sums(k: torch.Tensor) -> torch.Tensor:
 
 
 def channel_mean(k: torch.Tensor) -> torch.Tensor:
-    """Each head's per-channel mean of ``(B, S, H, D)`` K over the sequence, summed in FP32 in a defined order,
-    whatever K's layout or device: ``(B, H, D)``.
+    """Each head's per-channel mean of every ``MEAN_TOKEN_STRIDE``-th key of ``(B, S, H, D)`` K, summed in FP32 in
+    a defined order, whatever K's layout or device: ``(B, H, D)``.
 
     The block sums (``channel_block_sums``) added in ``MEAN_SEGMENTS`` consecutive segments, then one IEEE
-    division by S: the fused preparation's two launches (``sm90.prep.ChannelSumsPerBlock``, ``ChannelMean``)
-    compute the same bits.
+    division by the keys' count (``mean_tokens``): the fused preparation's two launches
+    (``sm90.prep.ChannelSumsPerBlock`` or ``AbsmaxAndChannelSums``, then ``ChannelMean``) compute the same bits.
     """
     sums = channel_block_sums(k)
     n = sums.shape[2]
@@ -192,7 +208,7 @@ def channel_mean(k: torch.Tensor) -> torch.Tensor:
             part = part + sums[:, :, i]
         total = part if total is None else total + part
     # A full tensor divisor: with a scalar torch may multiply by its reciprocal (see _scale_and_descale).
-    return total / torch.full_like(total, k.shape[1])
+    return total / torch.full_like(total, mean_tokens(k.shape[1]))
 
 
 def smoothing_mean(k: torch.Tensor, k_mean: torch.Tensor | None = None) -> torch.Tensor:

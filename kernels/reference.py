@@ -208,7 +208,8 @@ def reference_attention(
 
     ``softmax_scale`` defaults to ``1 / sqrt(D)``; ``repair_ratio`` is rho of V residual repair (0 = off);
     ``window`` is the mid-window traversal's look-ahead in tiles (``None`` = plain order); ``smooth_k``
-    subtracts each head's per-channel mean of K before quantizing (``quant.smoothing_mean``);
+    subtracts each head's per-channel mean of K (of every 8th key: ``quant.channel_mean``) before quantizing
+    (``quant.smoothing_mean``);
     ``repair_ranking`` orders repair candidates by residual energy times ``repair.attention_mass``
     ("attention") or by residual energy alone ("energy"); ``accumulation="wgmma"`` adds up Q8 . K8 and P . V8
     (numerator and denominator) as the Hopper kernel's FP8 wgmma does (``wgmma.py``: 14 significant bits, cut

@@ -1,6 +1,7 @@
 """Accuracy of V repair (both rankings) and K smoothing with the reference on the CPU.
 
-rel-L2 against float64 attention, S = 4096, H = 2; prints the Markdown tables of notes/accuracy.md.
+rel-L2 against float64 attention, S = 4096, H = 2; prints the Markdown tables of notes/accuracy.md, the last one
+K smoothing's mean of every 8th key (``quant.channel_mean``) against the mean of all keys (given as ``k_mean``).
 """
 
 import torch, openvc_kernels as ok
@@ -50,14 +51,41 @@ ranked = {
     "sink keys, heavy-tailed V": (sinks_q, sinks_k, heavy),
     "local (video-like), heavy-tailed V": (local_q, local_k, heavy),
 }
-print()
-print("| inputs | rho=0 | energy, rho=0.005 | attention, rho=0.005 | energy, rho=0.02 | attention, rho=0.02 |")
-print("|---|---|---|---|---|---|")
-for name, (a, b, c) in ranked.items():
-    e = exact(a, b, c)
-    vals = [rel(ok.reference_attention(a, b, c, repair_ratio=0), e)]
-    for r in (0.005, 0.02):
-        vals += [
-            rel(ok.reference_attention(a, b, c, repair_ratio=r, repair_ranking=rk), e) for rk in ("energy", "attention")
-        ]
-    print(f"| {name} | " + " | ".join(f"{x * 100:.2f}%" for x in vals) + " |", flush=True)
+
+
+def table(header: str, cases: dict, errors, digits: int = 2) -> None:
+    """One Markdown table: a row per case, ``errors(q, k, v)`` the outputs whose rel-L2 against float64 it prints."""
+    print()
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for name, (a, b, c) in cases.items():
+        e = exact(a, b, c)
+        print(f"| {name} | " + " | ".join(f"{rel(out, e) * 100:.{digits}f}%" for out in errors(a, b, c)) + " |", flush=True)
+
+
+table(
+    "| inputs | rho=0 | energy, rho=0.005 | attention, rho=0.005 | energy, rho=0.02 | attention, rho=0.02 |",
+    ranked,
+    lambda a, b, c: [ok.reference_attention(a, b, c, repair_ratio=0)] + [
+        ok.reference_attention(a, b, c, repair_ratio=r, repair_ranking=rk)
+        for r in (0.005, 0.02) for rk in ("energy", "attention")
+    ],
+)
+
+# K smoothing's mean: every 8th key (shipped) against all keys; drifting keys with an offset on every channel.
+drifting_k = local_k + 3.0 * torch.randn(1, 1, H, 128)
+means = {
+    "N(0,1)": (q, k, v),
+    "K +20 on 4 channels": (q, koff, v),
+    "drifting K, offsets on every channel": (local_q, drifting_k, v),
+}
+table(
+    "| inputs | no smoothing | mean of all keys | mean of every 8th key (shipped) |",
+    means,
+    lambda a, b, c: [
+        ok.reference_attention(a, b, c),
+        ok.reference_attention(a, b, c, smooth_k=True, k_mean=b.float().mean(dim=1)),
+        ok.reference_attention(a, b, c, smooth_k=True),
+    ],
+    digits=3,
+)

@@ -45,8 +45,8 @@ class OpenVCConfig:
     repair_ranking: str = "energy"
     # Mid-window traversal width w; None keeps plain key-block order.
     window: int | None = 4
-    # Subtract each head's per-channel mean of K before quantizing (softmax is unchanged in exact math): 16% less
-    # error where K channels carry offsets, at the cost of one reduction over K.
+    # Subtract each head's per-channel mean of K (of every 8th key) before quantizing (softmax is unchanged in exact
+    # math): 16% less error where K channels carry offsets, for one reduction over an eighth of K.
     smooth_k: bool = True
     # Backend for cross-attention (text/image context).
     cross_attention: str = SDPA

@@ -4,8 +4,9 @@ The FP8 scales are agreed on before any shard is attended to, so that every shar
 
 - V: one scale per head. Each rank's per-head absmax of its V shard is all-reduced (max); every shard call quantizes
   V with that ``v_absmax``, so each shard's V8 bytes equal the unsplit call's.
-- K (with ``smooth_k``): the channel mean subtracted before quantizing is the mean over all keys: channel sums and
-  counts are all-reduced (sum) and every shard call subtracts that ``k_mean``.
+- K (with ``smooth_k``): the channel mean subtracted before quantizing is the unsplit call's, over every 8th key of
+  the whole sequence (``quant.channel_mean``): each rank sums those of its shard, the channel sums and counts are
+  all-reduced (sum) and every shard call subtracts that ``k_mean``.
 - Q and K blocks of 128 tokens start at each shard's first token: where the shard length is a multiple of 128 they
   are the unsplit call's blocks, else the blocks (and their scales) differ at the shard edges.
 - V residual repair: each shard call repairs ``round(rho * shard length)`` of its own keys, ranked with the shared
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import openvc_kernels
+from openvc_kernels.quant import mean_token_mask
 
 ShardAttention = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """``(q, k, v, *, return_lse=True, v_absmax, k_mean) -> (out, lse)``: one Open-VC call on one K/V shard."""
@@ -52,10 +54,12 @@ def shared_v_absmax(v: torch.Tensor, group) -> torch.Tensor:
 
 
 def shared_k_mean(k: torch.Tensor, group) -> torch.Tensor:
-    """K's per-head channel mean over every rank's keys: ``(B, H, D)`` fp32, summed in FP32 like ``quant.channel_mean``
-    (in another order). The count travels with the sums, so shards need not be equal."""
-    sums = k.sum(dim=1, dtype=torch.float32)  # (B, H, D)
-    count = sums.new_full((*sums.shape[:-1], 1), k.shape[1])
+    """``quant.channel_mean`` of the whole sequence from every rank's equal shard: ``(B, H, D)`` fp32, over the same
+    keys (``quant.mean_token_mask``), summed in FP32 in another order."""
+    start = dist.get_rank(group) * k.shape[1]
+    read = mean_token_mask(k.shape[1], start).nonzero().flatten()  # on the host: no synchronisation
+    sums = k.index_select(1, read.to(k.device)).sum(dim=1, dtype=torch.float32)  # (B, H, D)
+    count = sums.new_full((*sums.shape[:-1], 1), len(read))
     totals = torch.cat([sums, count], dim=-1)
     dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
     return totals[..., :-1] / totals[..., -1:]

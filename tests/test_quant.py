@@ -1,7 +1,8 @@
 """The descale guards of ``quant`` on the CPU: the code span limit's FP32 formula, spelled out (an IEEE reciprocal, then
 one product with an FP32 constant), is the former ``(CODE_SPAN_LIMIT / per_descale) / d_k_max`` bit for bit, and
 what the guards do with inf and NaN. tests/test_sm90_prep.py checks the fused guard kernel against these on the GPU.
-And K smoothing's channel mean: every token counted once, whatever the length and layout, in the order it names."""
+And K smoothing's channel mean: every 8th key counted once and no other key, whatever the length and layout, in the
+order it names."""
 
 import struct
 
@@ -14,11 +15,14 @@ from openvc_kernels.quant import (
     CODE_SPAN_LIMIT,
     FP8_MAX,
     MEAN_SEGMENTS,
+    MEAN_TOKEN_STRIDE,
     apply_descale_guards,
     channel_mean,
     code_span_numerator,
     code_span_quotient,
     limit_code_span,
+    mean_token_mask,
+    mean_tokens,
     poison_non_finite,
 )
 
@@ -97,24 +101,39 @@ def test_non_finite_descales():
     assert torch.equal(_bits(poison_non_finite(d_q, d_k, d_v)), _bits(new_v))
 
 
-@pytest.mark.parametrize("seq", [1, 2, 129, 1027])
+@pytest.mark.parametrize("seq", [1, 7, 8, 9, 129, 1027, 4000])
+def test_the_mean_reads_every_eighth_key(seq):
+    """``mean_tokens`` counts the keys ``channel_mean`` reads and ``mean_token_mask`` marks them, also from a shard's
+    first token on."""
+    tokens = torch.arange(0, seq, MEAN_TOKEN_STRIDE)
+    assert mean_tokens(seq) == len(tokens)
+    assert torch.equal(mean_token_mask(seq).nonzero().flatten(), tokens)
+    # A ring's shards, each from its first token on, mark the whole sequence's keys between them.
+    cut = seq // 3
+    assert torch.equal(torch.cat([mean_token_mask(cut), mean_token_mask(seq - cut, cut)]), mean_token_mask(seq))
+
+
+@pytest.mark.parametrize("seq", [1, 2, 129, 1027, 2100])
 @pytest.mark.parametrize("layout", ["contiguous", "k of fused qkv", "head-major"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_channel_mean_counts_every_token_once(fresh_seed, seq, layout, dtype):
-    """Small integers sum exactly in FP32, so whatever the layout the mean is the exact sum divided once by S; the
-    outliers in the first and last tokens would show one dropped or counted twice."""
+def test_the_channel_mean_counts_every_eighth_key_once(fresh_seed, seq, layout, dtype):
+    """Small integers sum exactly in FP32, so whatever the layout the mean is the exact sum of every 8th key divided
+    once by their count; the outliers in the first and last tokens would show one dropped or counted twice (or, where
+    the last token is not read, counted), and those in tokens 1, 9, 17, ... one counted that is not read."""
     batch, heads, dim = 2, 3, 16
     qkv = torch.randint(-8, 9, (batch, seq, 3, heads, dim)).to(dtype)
     qkv[:, 0, :, :, 0] = 1000.0
     qkv[:, -1, :, :, 1] = -3000.0
+    qkv[:, 1::MEAN_TOKEN_STRIDE, :, :, 2] = 500.0
     k = {
         "contiguous": qkv[:, :, 1].contiguous(),
         "k of fused qkv": qkv[:, :, 1],  # token stride 3 H D
         "head-major": qkv[:, :, 1].transpose(1, 2).contiguous().transpose(1, 2),
     }[layout]
     mean = channel_mean(k)
+    tokens = torch.arange(0, seq, MEAN_TOKEN_STRIDE)
     assert mean.shape == (batch, heads, dim) and mean.dtype == torch.float32
-    assert torch.equal(mean, k.double().sum(dim=1).float() / seq), f"seed {fresh_seed}"
+    assert torch.equal(mean, k[:, tokens].double().sum(dim=1).float() / len(tokens)), f"seed {fresh_seed}"
 
 
 def _f32(x: float) -> float:
@@ -123,13 +142,14 @@ def _f32(x: float) -> float:
 
 def _spelled_out_mean(column: list[float]) -> float:
     """``channel_mean`` of one (batch, head, channel) column, each FP32 addition written out in the order
-    ``BLOCK_SUM_ORDER`` and ``MEAN_SEGMENTS`` describe."""
+    ``BLOCK_SUM_ORDER`` and ``MEAN_SEGMENTS`` describe, the keys other than every ``MEAN_TOKEN_STRIDE``-th as +0."""
     passes, warps, rows = BLOCK_SUM_ORDER
     block_len = passes * warps * rows
     token = lambda p, w, r: (p * warps + w) * rows + r  # token = 32 pass + 4 warp + row
     add = lambda a, b: _f32(a + b)
     n = -(-len(column) // block_len)
-    padded = column + [0.0] * (n * block_len - len(column))
+    read = [x if t % MEAN_TOKEN_STRIDE == 0 else 0.0 for t, x in enumerate(column)]
+    padded = read + [0.0] * (n * block_len - len(column))
     block_sums = []
     for block in range(n):
         x = padded[block * block_len:(block + 1) * block_len]
@@ -151,10 +171,10 @@ def _spelled_out_mean(column: list[float]) -> float:
         for i in range(j * n // MEAN_SEGMENTS, (j + 1) * n // MEAN_SEGMENTS):
             part = add(part, block_sums[i])
         total = part if total is None else add(total, part)
-    return _f32(total / len(column))
+    return _f32(total / len(range(0, len(column), MEAN_TOKEN_STRIDE)))
 
 
-@pytest.mark.parametrize("seq", [1, 37, 128, 300, 1100])
+@pytest.mark.parametrize("seq", [1, 37, 128, 300, 1100, 2100])
 def test_the_channel_mean_adds_in_the_order_it_names(fresh_seed, seq):
     """The vectorized ``channel_mean`` against each of its additions written out: the same bits. FP32 values with
     channel offsets as video DiTs' K carry make the order show (a sequential sum differs in the last bits)."""

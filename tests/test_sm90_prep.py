@@ -14,8 +14,8 @@ import torch
 
 from openvc_kernels.preparation import Prepared, PrepareOptions, prepare_reference, write_repair_rows
 from openvc_kernels.quant import (
-    BLOCK, BLOCK_SUM_ORDER, apply_descale_guards, channel_block_sums, channel_mean, code_span_numerator, num_blocks,
-    quantize_per_block, quantize_per_head
+    BLOCK, BLOCK_SUM_ORDER, apply_descale_guards, channel_block_sums, channel_mean, code_span_numerator, mean_tokens,
+    num_blocks, quantize_per_block, quantize_per_head
 )
 from openvc_kernels.repair import attention_mass, repair_count, residual_energy, select_repair_tokens, v_residual
 from openvc_kernels.sm90.layout import CHUNK, KEY_PERMUTATION, packed_position
@@ -536,9 +536,9 @@ def test_prepare_with_smoothed_keys_and_given_scales(seed, given):
 @pytest.mark.parametrize("seq_len", [1, 127, 129, 1000, 4100, 32_760, 73_397])
 def test_channel_mean_matches_reference(seed, dtype, layout, seq_len):
     """K's mean in two launches (``sm90.prep.ChannelSumsPerBlock``, ``ChannelMean``) into poisoned buffers: the
-    bits of ``quant.channel_mean``'s block sums and mean, on the GPU and on the CPU alike, in any layout; the
-    block sums the same from the launch that takes V's absmax too (``AbsmaxAndChannelSums``), and that absmax
-    ``AbsmaxPerHead``'s."""
+    bits of ``quant.channel_mean``'s block sums (of every 8th key) and mean, on the GPU and on the CPU alike, in any
+    layout; the block sums the same from the launch that takes V's absmax too (``AbsmaxAndChannelSums``), and that
+    absmax ``AbsmaxPerHead``'s."""
     batch, heads = 2, 3
     offsets = 40 * torch.randn(heads, 128, device="cuda")  # channel offsets: the summation order shows
     qkv = (torch.randn(batch, seq_len, 3, heads, 128, device="cuda") + offsets).to(dtype)
@@ -550,7 +550,7 @@ def test_channel_mean_matches_reference(seed, dtype, layout, seq_len):
     sums = torch.full((batch, heads, num_blocks(seq_len), 128), math.nan, device="cuda")
     mean = torch.full((batch, heads, 128), math.nan, device="cuda")
     prep_ops.load_prep("channel_sums_per_block", dtype)(prep_ops._kernel_ready(k), sums)
-    prep_ops.load_prep("channel_mean")(sums, mean, seq_len)
+    prep_ops.load_prep("channel_mean")(sums, mean, mean_tokens(seq_len))
     expected_sums = channel_block_sums(k)
     assert torch.equal(sums, expected_sums), f"{layout}, seed {seed}"
     assert torch.equal(mean, channel_mean(k)), f"{layout}, seed {seed}"

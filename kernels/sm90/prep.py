@@ -2,9 +2,9 @@
 code only: ``prep_ops`` compiles these kernels and runs them on torch tensors.
 
 Byte-identical to ``quant.quantize_per_block`` (Q, K) and ``layout.pack_v(quant.quantize_per_head(V))``
-(``preparation.prepare_reference``). With K smoothing, K's per-channel mean (``quant.channel_mean``: it needs the
-whole sequence, so two passes come first, in the reference's summation order; the first shares V's absmax launch
-where both run) is subtracted inside the K launch.
+(``preparation.prepare_reference``). With K smoothing, K's per-channel mean (``quant.channel_mean``, of every
+``MEAN_TOKEN_STRIDE``-th key of the whole sequence, so two passes come first, in the reference's summation order;
+the first shares V's absmax launch where both run) is subtracted inside the K launch.
 Inputs are diffusers' ``(B, S, H, 128)`` fp16/bf16, any strides whose head-dim stride is 1 and the others
 multiples of 8 elements (16 bytes); anything else is copied once by ``prep_ops.prepare``.
 
@@ -40,7 +40,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint8
 
-from ..quant import ABSMAX_FLOOR, BLOCK, FP8_MAX, MEAN_SEGMENTS
+from ..quant import ABSMAX_FLOOR, BLOCK, FP8_MAX, MEAN_SEGMENTS, MEAN_TOKEN_STRIDE
 from .layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS
 from .ptx import mul_rn
 
@@ -101,8 +101,11 @@ def _block_coords(mX: cute.Tensor, n: Int32, tidx: Int32) -> cute.Tensor:
 
 
 @cute.jit
-def _load_block(mX: cute.Tensor, b: Int32, h: Int32, n: Int32, tidx: Int32) -> cute.Tensor:
-    """This thread's 64 values of block n of ``mX`` (B, S, H, 128) at (b, h); tokens past S read as 0.
+def _load_block(
+    mX: cute.Tensor, b: Int32, h: Int32, n: Int32, tidx: Int32, token_stride: cutlass.Constexpr[int] = 1
+) -> cute.Tensor:
+    """This thread's 64 values of block n of ``mX`` (B, S, H, 128) at (b, h): of every ``token_stride``-th token
+    only (the others read as 0, unloaded: K's mean, ``MEAN_TOKEN_STRIDE``); tokens past S read as 0.
 
     Returns the register fragment ((16), 4 passes, 1).
     """
@@ -115,8 +118,14 @@ def _load_block(mX: cute.Tensor, b: Int32, h: Int32, n: Int32, tidx: Int32) -> c
     tXrX = cute.make_rmem_tensor_like(tXgX)
     tXrX.fill(0)
     for p in cutlass.range_constexpr(cute.size(tXgX, mode=[1])):
-        if tXcX[0, p, 0][0] < seq_len:
-            cute.copy(tiled_copy, tXgX[None, p, None], tXrX[None, p, None])
+        token = tXcX[0, p, 0][0]
+        if token < seq_len:
+            if cutlass.const_expr(token_stride == 1):
+                cute.copy(tiled_copy, tXgX[None, p, None], tXrX[None, p, None])
+            else:
+                # A block and a pass start at multiples of the stride: the same threads load in every pass.
+                if token % token_stride == 0:
+                    cute.copy(tiled_copy, tXgX[None, p, None], tXrX[None, p, None])
     return tXrX
 
 
@@ -293,8 +302,8 @@ def _merge_absmax(x: cute.TensorSSA, mAmax: cute.Tensor, b: Int32, h: Int32, red
 
 
 class ChannelSumsPerBlock:
-    """K smoothing, pass 1: each block's per-channel FP32 sums (``quant.channel_block_sums``, bit for bit).
-    Grid (n_blocks, H, B).
+    """K smoothing, pass 1: each block's per-channel FP32 sums of every ``MEAN_TOKEN_STRIDE``-th key
+    (``quant.channel_block_sums``, bit for bit). Grid (n_blocks, H, B).
 
     A thread adds its 4 passes in order, a butterfly over lane bits 3 and 4 adds the warp's 4 token rows pairwise
     (every lane then holds (0 + 1) + (2 + 3): addition commutes), and thread c < 128 adds the 8 warps' sums of
@@ -315,24 +324,25 @@ class ChannelSumsPerBlock:
         warp_sums = _allocate_warp_sums(cutlass.memory.SmemAllocator())
         coords = _block_coords(mK, n, tidx)
         values = cute.make_rmem_tensor(coords.shape, Float32)
-        values.store(_load_block(mK, b, h, n, tidx).load().to(Float32))
+        values.store(_load_block(mK, b, h, n, tidx, MEAN_TOKEN_STRIDE).load().to(Float32))
         _store_channel_sums(values, coords, mSums[b, h, n, None], warp_sums)
 
 
 class ChannelMean:
     """K smoothing, pass 2: ``quant.channel_mean`` from the block sums, bit for bit. Grid (H, B), MEAN_THREADS
     threads: thread (segment j, channel c) adds the sums of its segment's blocks in order from 0, thread c < 128
-    the segments in order, then one IEEE division by S."""
+    the segments in order, then one IEEE division by the count of keys summed."""
 
     @cute.jit
-    def __call__(self, mSums: cute.Tensor, mMean: cute.Tensor, seq_len: Int32, stream: cuda.CUstream):
-        """mSums (B, H, n_blocks, 128) fp32 (``ChannelSumsPerBlock``); mMean (B, H, 128) fp32; ``seq_len`` S."""
-        self.kernel(mSums, mMean, seq_len).launch(
+    def __call__(self, mSums: cute.Tensor, mMean: cute.Tensor, tokens: Int32, stream: cuda.CUstream):
+        """mSums (B, H, n_blocks, 128) fp32 (``ChannelSumsPerBlock``); mMean (B, H, 128) fp32; ``tokens``
+        ``quant.mean_tokens(S)``."""
+        self.kernel(mSums, mMean, tokens).launch(
             grid=[mMean.shape[1], mMean.shape[0], 1], block=[MEAN_THREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
-    def kernel(self, mSums: cute.Tensor, mMean: cute.Tensor, seq_len: Int32):
+    def kernel(self, mSums: cute.Tensor, mMean: cute.Tensor, tokens: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -353,7 +363,7 @@ class ChannelMean:
             total = segment_sums[0, tidx]
             for j in cutlass.range_constexpr(1, MEAN_SEGMENTS):
                 total = total + segment_sums[j, tidx]
-            mMean[b, h, tidx] = total / Float32(seq_len)
+            mMean[b, h, tidx] = total / Float32(tokens)
 
 
 class AbsmaxPerHead:
@@ -379,9 +389,9 @@ class AbsmaxPerHead:
 
 class AbsmaxAndChannelSums:
     """``AbsmaxPerHead`` of V and ``ChannelSumsPerBlock`` of K in one launch, the same bits: the first pass over
-    both when neither V's absmax nor K's mean is given (K smoothing). Block n of head h of V and of K are both
-    loaded before either is reduced (in SASS a thread's 16 loads all precede its first shuffle). Grid (n_blocks,
-    H, B)."""
+    both when neither V's absmax nor K's mean is given (K smoothing). Block n of head h of V and every
+    ``MEAN_TOKEN_STRIDE``-th key of K's are both loaded before either is reduced (in SASS a thread's 16 loads all
+    precede its first shuffle). Grid (n_blocks, H, B)."""
 
     @cute.jit
     def __call__(self, mV: cute.Tensor, mK: cute.Tensor, mAmax: cute.Tensor, mSums: cute.Tensor, stream: cuda.CUstream):
@@ -399,7 +409,7 @@ class AbsmaxAndChannelSums:
         reduction_buffer = smem.allocate_tensor(Float32, cute.make_layout(WARPS))
         warp_sums = _allocate_warp_sums(smem)
         v_block = _load_block(mV, b, h, n, tidx)
-        k_block = _load_block(mK, b, h, n, tidx)
+        k_block = _load_block(mK, b, h, n, tidx, MEAN_TOKEN_STRIDE)
         _merge_absmax(v_block.load().to(Float32), mAmax, b, h, reduction_buffer)
         coords = _block_coords(mK, n, tidx)
         values = cute.make_rmem_tensor(coords.shape, Float32)
