@@ -23,7 +23,7 @@ from openvc_diffusers import cli
 from openvc_diffusers.gpu_state import clocks
 from openvc_diffusers.metrics import rel_l2
 from openvc_kernels import attention, merge_attention
-from openvc_kernels.quant import mean_token_mask
+from openvc_kernels.quant import mean_keys
 from openvc_kernels.support import HEAD_DIM
 
 SHAPES = "75600x40"
@@ -50,11 +50,10 @@ def shard_counts(text: str) -> list[int]:
 
 def shared_scales(k: torch.Tensor, v: torch.Tensor, smooth_k: bool) -> dict:
     """What a ring all-reduces before its shards quantize: V's per-head absmax, K's per-channel mean over the keys
-    the unsplit call's mean reads (smooth_k; ``quant.mean_token_mask``)."""
+    the unsplit call's mean reads (smooth_k; ``quant.mean_keys``)."""
     scales = {"v_absmax": v.abs().amax(dim=(1, 3)).float()}
     if smooth_k:
-        read = mean_token_mask(k.shape[1]).nonzero().flatten().to(k.device)
-        scales["k_mean"] = k.index_select(1, read).mean(dim=1, dtype=torch.float32)
+        scales["k_mean"] = mean_keys(k).mean(dim=1, dtype=torch.float32)
     return scales
 
 

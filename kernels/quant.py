@@ -164,10 +164,10 @@ def mean_tokens(seq_len: int) -> int:
     return -(-seq_len // MEAN_TOKEN_STRIDE)
 
 
-def mean_token_mask(seq_len: int, start: int = 0) -> torch.Tensor:
-    """Which of the tokens ``start .. start + seq_len - 1`` of a sequence (a shard of it, from ``start``)
-    ``channel_mean`` of the whole sequence reads: ``(seq_len,)`` bool. A ring's shards sum these keys of theirs."""
-    return torch.arange(start, start + seq_len) % MEAN_TOKEN_STRIDE == 0
+def mean_keys(k: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """The keys of ``(B, S, H, D)`` k that ``channel_mean`` of the whole sequence reads, where k is the shard of it
+    from token ``start`` on (a ring's): a strided view, no copy."""
+    return k[:, -start % MEAN_TOKEN_STRIDE :: MEAN_TOKEN_STRIDE]
 
 
 def channel_block_sums(k: torch.Tensor) -> torch.Tensor:
@@ -178,7 +178,7 @@ def channel_block_sums(k: torch.Tensor) -> torch.Tensor:
     n = num_blocks(seq_len)
     passes, warps, rows = BLOCK_SUM_ORDER
     x = k.new_zeros(batch, n * BLOCK, heads, dim, dtype=torch.float32)
-    x[:, :seq_len:MEAN_TOKEN_STRIDE] = k[:, ::MEAN_TOKEN_STRIDE]
+    x[:, :seq_len:MEAN_TOKEN_STRIDE] = mean_keys(k)
     x = x.view(batch, n, passes, warps, rows, heads, dim)
     s = x[:, :, 0]
     for p in range(1, passes):

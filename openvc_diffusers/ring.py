@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import openvc_kernels
-from openvc_kernels.quant import mean_token_mask
+from openvc_kernels.quant import mean_keys
 
 ShardAttention = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """``(q, k, v, *, return_lse=True, v_absmax, k_mean) -> (out, lse)``: one Open-VC call on one K/V shard."""
@@ -55,11 +55,10 @@ def shared_v_absmax(v: torch.Tensor, group) -> torch.Tensor:
 
 def shared_k_mean(k: torch.Tensor, group) -> torch.Tensor:
     """``quant.channel_mean`` of the whole sequence from every rank's equal shard: ``(B, H, D)`` fp32, over the same
-    keys (``quant.mean_token_mask``), summed in FP32 in another order."""
-    start = dist.get_rank(group) * k.shape[1]
-    read = mean_token_mask(k.shape[1], start).nonzero().flatten()  # on the host: no synchronisation
-    sums = k.index_select(1, read.to(k.device)).sum(dim=1, dtype=torch.float32)  # (B, H, D)
-    count = sums.new_full((*sums.shape[:-1], 1), len(read))
+    keys (``quant.mean_keys``), summed in FP32 in another order."""
+    read = mean_keys(k, dist.get_rank(group) * k.shape[1])
+    sums = read.sum(dim=1, dtype=torch.float32)  # (B, H, D)
+    count = sums.new_full((*sums.shape[:-1], 1), read.shape[1])
     totals = torch.cat([sums, count], dim=-1)
     dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
     return totals[..., :-1] / totals[..., -1:]

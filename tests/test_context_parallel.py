@@ -16,7 +16,7 @@ import openvc_kernels
 from openvc_diffusers.metrics import rel_l2
 from openvc_diffusers.parallel import check_call
 from openvc_diffusers.ring import attend_key_shards, ring_attention
-from openvc_kernels.quant import mean_token_mask
+from openvc_kernels.quant import mean_keys, mean_tokens
 from openvc_diffusers.tiny import tiny_wan_inputs, tiny_wan_transformer
 
 POLICIES = {
@@ -228,9 +228,9 @@ def test_ring_call_is_its_shards_merged(two_ranks):
     unsplit call's K mean (over every 8th key of the whole sequence), merged (the all-reduces of two ranks add in one
     order): bitwise."""
     q, k, v = attention_inputs()
-    read = mean_token_mask(k.shape[1])
-    sums = [shard[:, keys].sum(dim=1, dtype=torch.float32) for shard, keys in zip(k.chunk(2, dim=1), read.chunk(2))]
-    k_mean = (sums[0] + sums[1]) / int(read.sum())
+    shards = k.chunk(2, dim=1)
+    sums = [mean_keys(shard, r * shards[0].shape[1]).sum(dim=1, dtype=torch.float32) for r, shard in enumerate(shards)]
+    k_mean = (sums[0] + sums[1]) / mean_tokens(k.shape[1])
     v_absmax = v.abs().amax(dim=(1, 3)).float()
     shard = functools.partial(openvc_kernels.reference_attention, **RING_OPTIONS)
     for rank, saved in enumerate(two_ranks):

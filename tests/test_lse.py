@@ -9,7 +9,7 @@ from openvc_diffusers.metrics import rel_l2
 
 from openvc_kernels import merge_attention, reference_attention
 from openvc_kernels.expcast import LN2, LOG2_PER_CODE, LSE_CODE_OFFSET, MAX_CODE, expcast_decode
-from openvc_kernels.quant import channel_mean, mean_token_mask
+from openvc_kernels.quant import channel_mean, mean_keys
 
 HEAD_DIM = 128
 TAU = HEAD_DIM**-0.5
@@ -60,8 +60,8 @@ def _ternary(batch, seq, heads):
 
 def _shared_scales(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What a ring all-reduces: V's per-head absmax (B, H) and K's per-channel mean (B, H, D) over the keys the
-    unsplit call's mean reads (``quant.mean_token_mask``), summed in another order."""
-    return v.float().abs().amax(dim=(1, 3)), k[:, mean_token_mask(k.shape[1])].float().mean(dim=1)
+    unsplit call's mean reads (``quant.mean_keys``), summed in another order."""
+    return v.float().abs().amax(dim=(1, 3)), mean_keys(k).float().mean(dim=1)
 
 
 def _merged_shards(q, k, v, cuts, smooth_k=False, **options):

@@ -21,7 +21,7 @@ from openvc_kernels.quant import (
     code_span_numerator,
     code_span_quotient,
     limit_code_span,
-    mean_token_mask,
+    mean_keys,
     mean_tokens,
     poison_non_finite,
 )
@@ -103,14 +103,16 @@ def test_non_finite_descales():
 
 @pytest.mark.parametrize("seq", [1, 7, 8, 9, 129, 1027, 4000])
 def test_the_mean_reads_every_eighth_key(seq):
-    """``mean_tokens`` counts the keys ``channel_mean`` reads and ``mean_token_mask`` marks them, also from a shard's
+    """``mean_tokens`` counts the keys ``channel_mean`` reads and ``mean_keys`` takes them, also from a shard's
     first token on."""
     tokens = torch.arange(0, seq, MEAN_TOKEN_STRIDE)
+    k = torch.arange(seq).view(1, seq, 1, 1)
     assert mean_tokens(seq) == len(tokens)
-    assert torch.equal(mean_token_mask(seq).nonzero().flatten(), tokens)
-    # A ring's shards, each from its first token on, mark the whole sequence's keys between them.
-    cut = seq // 3
-    assert torch.equal(torch.cat([mean_token_mask(cut), mean_token_mask(seq - cut, cut)]), mean_token_mask(seq))
+    assert torch.equal(mean_keys(k).flatten(), tokens)
+    # A ring's shards, each from its first token on, take the whole sequence's keys between them.
+    for cut in (seq // 3, seq // 3 + 1):
+        shards = torch.cat([mean_keys(k[:, :cut]), mean_keys(k[:, cut:], cut)], dim=1)
+        assert torch.equal(shards.flatten(), tokens)
 
 
 @pytest.mark.parametrize("seq", [1, 2, 129, 1027, 2100])

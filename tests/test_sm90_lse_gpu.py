@@ -10,7 +10,7 @@ from openvc_kernels import merge_attention
 from openvc_kernels.expcast import LN2, LOG2_PER_CODE
 from openvc_kernels.ops import _kernel, attention, forward_args, prepare, sm_count
 from openvc_kernels.preparation import PrepareOptions, prepare_reference
-from openvc_kernels.quant import mean_token_mask, smoothing_lse_shift, smoothing_mean
+from openvc_kernels.quant import mean_keys, smoothing_lse_shift, smoothing_mean
 from openvc_kernels.reference import reference_attention
 from openvc_kernels.sm90.config import ForwardConfig
 
@@ -137,7 +137,7 @@ def test_the_output_is_bitwise_the_same_with_and_without_lse():
 
 def _shared_scales(k, v):
     """A ring's all-reduced scales: V's per-head absmax, and K's mean over the keys the unsplit call's reads."""
-    return v.float().abs().amax(dim=(1, 3)), k[:, mean_token_mask(k.shape[1]).cuda()].float().mean(dim=1)
+    return v.float().abs().amax(dim=(1, 3)), mean_keys(k).float().mean(dim=1)
 
 
 def test_shared_scales_prepare_the_reference_bytes():

@@ -119,13 +119,9 @@ def _load_block(
     tXrX.fill(0)
     for p in cutlass.range_constexpr(cute.size(tXgX, mode=[1])):
         token = tXcX[0, p, 0][0]
-        if token < seq_len:
-            if cutlass.const_expr(token_stride == 1):
-                cute.copy(tiled_copy, tXgX[None, p, None], tXrX[None, p, None])
-            else:
-                # A block and a pass start at multiples of the stride: the same threads load in every pass.
-                if token % token_stride == 0:
-                    cute.copy(tiled_copy, tXgX[None, p, None], tXrX[None, p, None])
+        # A block and a pass start at multiples of the stride: the same threads load in every pass.
+        if token < seq_len and token % token_stride == 0:
+            cute.copy(tiled_copy, tXgX[None, p, None], tXrX[None, p, None])
     return tXrX
 
 
