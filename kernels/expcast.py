@@ -15,7 +15,13 @@ EXPCAST_BIAS = 119.65
 """64 + 56 + beta, beta = -0.35: the code of z = 0 before rounding."""
 
 MAX_CODE = 120
-"""E4M3 0x78 = 256.0 = 2^8: the common factor every probability carries."""
+"""E4M3 0x78 = 256.0 = 2^8: the common factor every probability carries; where a row's anchor is set or moves, its
+top score encodes to 119 or 120 (``code_anchor``, ``code_shift``)."""
+
+TOP_CODE = 126
+"""E4M3 0x7E = 448.0, the largest finite byte (0x7F is NaN): the highest code a row's scores take on its anchor. A
+key tile whose codes would pass it moves the anchor (``code_shift``); codes 121..126 are ExpCast's as any other
+(the same step per code), so a new row max within 6 codes of the old one costs no move and no rescale."""
 
 CODES_PER_NAT = 8.0 * math.log2(math.e)
 """Codes per unit of natural-log score: 8 codes per octave times log2(e)."""
@@ -60,18 +66,42 @@ def expcast_decode(codes: torch.Tensor) -> torch.Tensor:
     return codes.view(torch.float8_e4m3fn).float()
 
 
-def anchored_encode(raw: torch.Tensor, coef: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-    """Codes as the kernel forms them: ``clamp(rne(fp32(raw * coef' + anchor') / 2^-24), 0, 120)``.
+def encode(raw: torch.Tensor, coef: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """The kernel's FFMA: ``fp32(raw * coef' + anchor')``, each score's code in units of 2^-24 before rounding.
 
-    ``coef' = fp32(coef * 2^-24)`` and ``anchor' = anchor * 2^-24``: the kernel's one FFMA writes the code in
-    units of FP16's smallest subnormal, and the FP32 -> FP16 conversion that packs two codes rounds it to an
-    integer (RNE) and clips negatives (and -inf, masked keys) to 0. Two roundings, FP32 then FP16: a code can
-    differ from the RNE of the exact value where that lies within an FP32 ulp of a half code. The FMA is
+    ``coef' = fp32(coef * 2^-24)`` and ``anchor' = anchor * 2^-24``: the code in units of FP16's smallest subnormal,
+    which the FP32 -> FP16 conversion that packs two codes rounds to an integer (``round_codes``). The FMA is
     emulated in float64 (the FP32 product is exact there) and rounded once to FP32.
     """
     unit = torch.tensor(CODE_UNIT, dtype=torch.float32)
-    scaled = torch.addcmul((anchor.float() * unit).double(), raw.double(), (coef.float() * unit).double())
-    return torch.round(scaled.float().double() / CODE_UNIT).clamp_(0, MAX_CODE).to(torch.uint8)
+    return torch.addcmul((anchor.float() * unit).double(), raw.double(), (coef.float() * unit).double()).float()
+
+
+def round_codes(y: torch.Tensor) -> torch.Tensor:
+    """``encode``'s FP32 values -> codes (uint8): the RNE of ``y / 2^-24``, negatives (and -inf, masked keys) 0, as
+    ``cvt.rn.relu.f16x2.f32`` leaves them in the low byte of a half. Two roundings, FP32 then FP16: a code can
+    differ from the RNE of the exact value where that lies within an FP32 ulp of a half code. Clipped at TOP_CODE:
+    a real tile's codes never get there (its anchor moves first, ``code_shift``); a repair tile's do, as the kernel
+    clips them (``anchored_encode``)."""
+    return torch.round(y.double() / CODE_UNIT).clamp_(0, TOP_CODE).to(torch.uint8)
+
+
+def anchored_encode(raw: torch.Tensor, coef: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """Codes on a row's final anchor, as the kernel forms a repair tile's: ``round_codes`` of ``encode`` (the clip
+    at TOP_CODE, the kernel's ``fmin`` before its rounding, the same integer: a zero key padding the last repair
+    tile scores 0, which a row whose scores are all negative would code above it)."""
+    return round_codes(encode(raw, coef, anchor))
+
+
+def code_shift(y: torch.Tensor) -> torch.Tensor:
+    """How far each row's anchor moves down for a key tile encoded on it (``y``: (..., keys), ``encode``'s values):
+    where the row's top code ``rne(max(y) / 2^-24)`` passes TOP_CODE, by ``rne(max(y) / 2^-24 - 119.65)``, so that
+    the top code lands on 119 or 120 as on a first anchor (``code_anchor``), else 0. The row's codes are then
+    ``y - shift * 2^-24`` (FP32: exact for every value that codes above 0, which is larger than the shift), its sums
+    rescaled by ``2^(-shift / 8)``. FP32 throughout (the division by 2^-24 exact); integers."""
+    top = y.amax(dim=-1) / torch.tensor(CODE_UNIT, dtype=torch.float32)
+    shift = torch.round(top - torch.tensor(EXPCAST_BIAS, dtype=torch.float32))
+    return torch.where(torch.round(top) > TOP_CODE, shift, 0.0)
 
 
 def row_lse(l: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
@@ -83,11 +113,11 @@ def row_lse(l: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
 
 
 def code_anchor(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """The integer code offset of a row whose running max is ``m`` and codes-per-score is ``s``.
+    """The integer code offset of a row whose first key tile's max is ``m`` and codes-per-score is ``s``.
 
-    ``rne(119.65 - s * m)`` in FP32. Anchoring the code grid to an integer lets one FFMA scale and the FP16
-    conversion round each code (``anchored_encode``); the reference point moves by less than half a code from
-    ``m``, so the row's top score encodes to 119 or 120 and never saturates.
+    ``rne(119.65 - s * m)`` in FP32: a row's first anchor, from its first key tile's max. Anchoring the code grid to
+    an integer lets one FFMA scale and the FP16 conversion round each code (``encode``, ``round_codes``); the
+    reference point moves by less than half a code from ``m``, so the row's top score encodes to 119 or 120.
     """
     bias = torch.tensor(EXPCAST_BIAS, dtype=torch.float32)
     return torch.round(bias - (s * m))

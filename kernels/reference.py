@@ -1,10 +1,10 @@
 """Bit-faithful PyTorch simulation of the Open-VC kernel: the oracle for every kernel test.
 
 It follows the kernel step by step, with the kernel's names (table below): quantize, then for every 128-row query
-tile visit the 128-key tiles in mid-window order,
-keep the running max on the K-descaled score, encode each score with ExpCast on an integer-anchored code
-grid, rescale earlier accumulators whenever the anchor moves, sum the decoded codes into both the
-numerator and the denominator, visit V-repair rows last (numerator only), and divide. Query tiles the kernel
+tile visit the 128-key tiles in mid-window order, anchor each row's integer code grid to its first tile's max
+(K-descaled), encode each score with ExpCast on it, move the anchor down where a tile's codes would pass TOP_CODE
+(rescaling the earlier sums), sum the decoded codes into both the numerator and the denominator, visit V-repair
+rows last (numerator only), and divide. Query tiles the kernel
 splits (``split.py``, given ``sm_count``) run as its pieces do (each keeping the repair keys of the tokens it
 visited) and merge as it merges them.
 All query tiles advance together (one batched matmul per visiting step), so S = 4096 runs in about a second
@@ -19,10 +19,11 @@ checks that each name is in both sources:
     tile_repair | tile_repair | each repair key's token's key tile (which piece keeps it: ``split.piece_visits``)
     codes_per_dot | codes_per_dot | fp32(tau * 8 log2 e): codes per unit of q . k (``expcast.codes_per_dot``)
     s | s | codes per K-descaled raw score of a query block: fp32(codes_per_dot * d_q)
-    raw | scores | a tile's raw FP32 scores Q8 . K8
-    m | m | the running max of the K-descaled score raw * d_k
-    anchor | anchor | the row's integer code offset rne(119.65 - s m)
-    alpha | alpha | a tile's rescale of earlier sums, 2^((new anchor - anchor) LOG2_PER_CODE)
+    raw | scores | a tile's raw FP32 scores Q8 . K8 (the kernel encodes them in place)
+    codes | scores | the tile's codes on the row's anchor in units of 2^-24, not yet rounded (``expcast.encode``)
+    anchor | anchor | the row's integer code offset: rne(119.65 - s * its first tile's max), lowered by each shift
+    shift | shift | how far a tile moves the anchor down: its top code past TOP_CODE onto MAX_CODE (``code_shift``)
+    alpha | alpha | the rescale of the earlier sums where the anchor moves, 2^(-shift LOG2_PER_CODE)
     pv | acc_pv | the PV wgmma's sum since the last promotion (numerator, denominator last)
     pending | pending | the anchor moves not yet applied to the FP32 sums
     acc, l | acc_o, l_column | the FP32 numerator and denominator (column 128 of acc_o in the kernel)
@@ -38,7 +39,18 @@ from typing import NamedTuple
 
 import torch
 
-from .expcast import LOG2_PER_CODE, anchored_encode, code_anchor, codes_per_dot, expcast_decode, row_lse
+from .expcast import (
+    CODE_UNIT,
+    LOG2_PER_CODE,
+    anchored_encode,
+    code_anchor,
+    code_shift,
+    codes_per_dot,
+    encode,
+    expcast_decode,
+    round_codes,
+    row_lse,
+)
 from .forward_only import forward_only
 from .quant import (
     BLOCK,
@@ -138,10 +150,10 @@ def _visit(
     lie in tiles these steps visited (all of them where ``steps`` is the whole order). Returns the unnormalised
     sums ``acc`` (u, 128, D), ``l`` (u, 128) and the final ``anchor`` (u, 128)."""
     dot = wgmma_e4m3_dot if like_wgmma else lambda a, b: a @ b.transpose(-1, -2)
-    m = torch.full(q.shape[:2], -math.inf, device=q.device)
+    unit = torch.tensor(CODE_UNIT, dtype=torch.float32)
     anchor = None
     acc = torch.zeros_like(q)
-    l = torch.zeros_like(m)
+    l = torch.zeros(q.shape[:2], device=q.device)
     pv = None  # wgmma: the PV wgmma's running sum over the tiles since the last promotion, (u, 128, D + 1)
     pending = torch.ones_like(l)  # wgmma: the anchor moves since the last promotion, not yet applied to acc, l
     for j, step in enumerate(steps):  # j counts from the piece's first step: PV chains restart there
@@ -149,21 +161,23 @@ def _visit(
         d_k_tile = keys.d_k[bh, tile][:, None]  # (u, 1)
         raw = dot(q, keys.k[bh, tile])  # (u, 128 rows, 128 keys)
         raw.masked_fill_(~keys.valid[tile][:, None, :], -math.inf)
-        m = torch.maximum(m, raw.amax(dim=-1) * d_k_tile)
-        new_anchor = code_anchor(m, s)
-        if anchor is not None:
-            alpha = torch.exp2((new_anchor - anchor) * LOG2_PER_CODE)
-            if like_wgmma:
+        if anchor is None:
+            anchor = code_anchor(raw.amax(dim=-1) * d_k_tile, s)
+        codes = encode(raw, (s * d_k_tile)[..., None], anchor[..., None])
+        if like_wgmma and pv is not None and j % promote_every == 0:
+            acc, l, pending = _promote(acc, l, pv, pending)
+            pv = None
+        shift = code_shift(codes)
+        anchor = anchor - shift
+        alpha = torch.exp2(-shift * LOG2_PER_CODE)
+        if like_wgmma:
+            pending *= alpha
+            if pv is not None:
                 pv *= alpha[..., None]
-                pending *= alpha
-                if j % promote_every == 0:
-                    acc, l, pending = _promote(acc, l, pv, pending)
-                    pv = None
-            else:
-                acc *= alpha[..., None]
-                l *= alpha
-        anchor = new_anchor
-        p = expcast_decode(anchored_encode(raw, (s * d_k_tile)[..., None], anchor[..., None]))
+        else:
+            acc *= alpha[..., None]
+            l *= alpha
+        p = expcast_decode(round_codes(codes - (shift * unit)[..., None]))
         if like_wgmma:
             pv = wgmma_e4m3_dot(p, keys.v[bh, tile], pv)
         else:

@@ -4,7 +4,7 @@ The sm90 kernel runs one CTA per unit (a 128-row query tile of one head and batc
 equal work. With U units on N SMs the last wave holds only U mod N of them, and the other SMs idle for a whole
 unit's time: at 32,760 x 12 (3,072 units on 132 SMs) that wave is 36 units, ~3% of the kernel. The kernel
 instead gives each of those last units ``splits`` CTAs (pieces). Piece p visits the steps ``piece_steps(p)`` of
-the unit's visiting order with its own running max and anchor, as if they were all the keys, and writes its
+the unit's visiting order with its own anchor (from its first tile), as if they were all the keys, and writes its
 unnormalised sums (numerator and denominator, FP32) and its anchors; the last piece of a unit to finish merges
 them in piece order:
 

@@ -70,7 +70,7 @@ def check_attention_args(
 
 
 def check_softmax_scale(softmax_scale: float) -> None:
-    """A finite number > 0: ExpCast's running max is the row's largest scaled score only for a positive scale (with
+    """A finite number > 0: ExpCast's anchor follows the row's largest scaled score only for a positive scale (with
     a negative one every row's output would be silently wrong), and NaN or inf scales give no scores at all."""
     if (
         isinstance(softmax_scale, bool)

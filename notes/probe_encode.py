@@ -7,6 +7,8 @@
   no ping-pong             the shipped packing, consumer warpgroups not taking turns
   convert before PV wait   the FP16 conversions inside encode (before PV(i - 1) retires), only PRMTs after it
 
+The two packings of earlier kernels do not check the codes (``Unchecked``): a row's anchor stays where its first key
+tile put it, so rows whose max rises later overflow their codes (wrong outputs; the time is what this compares).
 Prints each variant's output difference from the shipped kernel and the time of two rounds.
 Run on a Hopper GPU: ``python notes/probe_encode.py``; ``--sass DIR`` compiles every variant for sm_90a and
 dumps its SASS (no GPU needed). ``tests/test_probes.py`` compiles every variant on the CPU.
@@ -53,7 +55,15 @@ def magic_word(words: cute.Tensor, r: int, c: int):
     return ptx.byte_perm(first, second, HALVES)
 
 
-class ClipAndPermute(softmax.ExpCastSoftmax):
+class Unchecked(softmax.ExpCastSoftmax):
+    """A packing of its own, without the shipped one's check of the codes (the anchors never move)."""
+
+    @cute.jit
+    def pack_codes_checked(self, frag_p: cute.Tensor, acc_pv: cute.Tensor):
+        self.pack_codes(frag_p, False)
+
+
+class ClipAndPermute(Unchecked):
     """Session 3's codes: the 2^23-magic FFMA, an FMNMX clip, three PRMTs per four codes."""
 
     @cute.jit
@@ -83,7 +93,7 @@ def converted_word(words: cute.Tensor, r: int, c: int):
     return ptx.byte_perm(words[2 * r + 4 * c], words[2 * r + 4 * (c + 1)], softmax.HALF_LOW_BYTES)
 
 
-class ConvertEarly(softmax.ExpCastSoftmax):
+class ConvertEarly(Unchecked):
     """The FFMAs and the FP16 conversions before the PV wait (a pair's word replaces its first score, column 2c),
     only the PRMTs after it."""
 

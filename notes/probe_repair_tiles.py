@@ -8,7 +8,7 @@
                            before ``softmax.REPAIR_KEYS_PER_LANE``'s shuffles): whole units only, timing only
   descales not loaded      repair tiles encoded with one coefficient for every key (s, d_k = 1) instead of each
                            key's own d_k from global memory: wrong codes, timing only
-  encoded as a real tile   repair tiles through the real tiles' softmax (max, anchor, one d_k): wrong codes, timing
+  encoded as a real tile   repair tiles through the real tiles' encode (one d_k for every key): wrong codes, timing
                            only
 
 Prints each setting's median ms and its time over "no repair" (the median over rounds of the ratio within a round).
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_attention import median_over, time_interleaved  # noqa: E402
 
 from openvc_diffusers.config import OpenVCConfig  # noqa: E402
-from openvc_kernels.expcast import CODE_UNIT, MAX_CODE  # noqa: E402
+from openvc_kernels.expcast import CODE_UNIT, TOP_CODE  # noqa: E402
 from openvc_kernels.ops import compile_attention, forward_args, prepare  # noqa: E402
 from openvc_kernels.preparation import with_whole_repair_tiles  # noqa: E402
 from openvc_kernels.sm90.ptx import mul_rn  # noqa: E402
@@ -52,7 +52,7 @@ class LoadedAtTheTile(softmax.ExpCastSoftmax):
         d_k, first = self.at_the_tile
         scores, anchor, s = self.tile_scores(half), self.anchor, self.s
         unit = Float32(CODE_UNIT)
-        top = Float32(MAX_CODE * CODE_UNIT)
+        top = Float32(TOP_CODE * CODE_UNIT)
         for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
             coef = mul_rn(s, d_k[first + self.key_coords[0, i][1]]) * unit
             for r in cutlass.range_constexpr(2):
@@ -68,7 +68,7 @@ class UnloadedDescales(softmax.ExpCastSoftmax):
     def encode_repair_keys(self, token_tiles, visits: cutlass.Constexpr, half: cutlass.Constexpr[bool]):
         scores, anchor = self.tile_scores(half), self.anchor
         unit = Float32(CODE_UNIT)
-        top = Float32(MAX_CODE * CODE_UNIT)
+        top = Float32(TOP_CODE * CODE_UNIT)
         coef = self.s * unit
         for r in cutlass.range_constexpr(2):
             bias = anchor[r] * unit

@@ -7,7 +7,9 @@ from helpers import exact_attention
 from openvc_diffusers.metrics import rel_l2
 
 from openvc_kernels import reference_attention, visiting_order
-from openvc_kernels.quant import FP8_MAX, quantize_per_block, quantize_per_head
+from openvc_kernels.expcast import CODE_UNIT, encode, expcast_decode, round_codes
+from openvc_kernels.quant import BLOCK, FP8_MAX, quantize_per_block, quantize_per_head
+from openvc_kernels.reference import _Keys, _visit
 
 # rel-L2 against float64 attention on N(0, 1) inputs: 5.7% measured at S = 4096 (FP8 Q/K/V plus ExpCast's
 # one-code rounding). The Blackwell Open-VC reports 5.5-5.7% on such inputs.
@@ -40,6 +42,38 @@ def test_wgmma_sums_follow_exact_sums_while_the_anchor_moves(fresh_seed):
     # leaving the pending factor out puts them 40% apart.
     assert rel_l2(wgmma, summed) < 0.02, f"seed {fresh_seed}"
     assert abs(rel_l2(wgmma, exact) - rel_l2(summed, exact)) < 2e-3, f"seed {fresh_seed}"
+
+
+def test_the_anchor_moves_only_where_a_tile_codes_past_the_top():
+    """Two key tiles visited in turn, the raw scores as codes (s = d_k = 1): the first puts its top code on 120
+    (anchor 120); the second's top code passes TOP_CODE (126, its RNE; 126.4 does not) only where its max rises by
+    more than 6.5 codes, and then the anchor moves so that its top code is 120, the first tile's sums rescaled by
+    2^(-shift / 8)."""
+    rise = torch.tensor([0.0, 5.0, 6.4, 6.6, 7.0, 30.0])  # each unit's second tile's max over its first's, in codes
+    units, dim = len(rise), 128
+    first = torch.linspace(-40.0, 0.0, BLOCK)
+    raw = torch.stack([first.expand(units, -1), first + rise[:, None]], dim=1)  # (units, tile, key)
+    k = torch.zeros(units, 2, BLOCK, dim)
+    k[..., 0] = raw
+    q = torch.zeros(units, BLOCK, dim)
+    q[..., 0] = 1.0
+    v = torch.randn(units, 2, BLOCK, dim)
+    keys = _Keys(k, torch.ones(units, 2), v, torch.ones(2, BLOCK, dtype=torch.bool), None, None, None, None)
+    order = torch.tensor([[0, 1]]).expand(units, -1)
+    acc, l, anchor = _visit(q, torch.ones(units, 1), torch.arange(units), order, range(2), keys, False, 4, False)
+
+    shift = torch.tensor([0.0, 0.0, 0.0, 7.0, 7.0, 30.0])
+    assert torch.equal(anchor, (120.0 - shift)[:, None].expand(-1, BLOCK))
+    one = torch.ones(())
+    p_first = expcast_decode(round_codes(encode(raw[:, 0], one, torch.tensor(120.0)) - (shift * CODE_UNIT)[:, None]))
+    codes_second = round_codes(encode(raw[:, 1], one, (120.0 - shift)[:, None]))
+    assert codes_second.amax(dim=-1).tolist() == [120, 125, 126, 120, 120, 120]
+    p_second = expcast_decode(codes_second)
+    alpha = torch.exp2(-shift / 8)[:, None]
+    p_first_then_moved = expcast_decode(round_codes(encode(raw[:, 0], one, torch.tensor(120.0)))) * alpha
+    torch.testing.assert_close(p_first_then_moved, p_first, rtol=0.07, atol=0)  # one code's step at most
+    expected_l = p_first_then_moved.sum(-1) + p_second.sum(-1)
+    torch.testing.assert_close(l, expected_l[:, None].expand(-1, BLOCK), rtol=1e-6, atol=0)
 
 
 def test_output_is_bf16_in_the_callers_layout():

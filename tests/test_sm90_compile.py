@@ -119,11 +119,22 @@ def test_sass_has_no_exp_per_score(sass):
     count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))
     assert count("MUFU.EX2") <= 4
     assert count("FFMA") >= 2 * SCORES_PER_THREAD
-    # Three copies of the pack: the first key tile, the loop over real tiles, the repair tiles; and half of one, the
-    # half repair tile's.
+    # Four copies of the pack: the first key tile, the loop over real tiles and its repack where an anchor moves, the
+    # repair tiles; and half of one, the half repair tile's.
     # MUFU.LG2 only in the lse variant's epilogue: two rows, in the store after the loop and after the merge.
     assert count("MUFU.LG2") <= 4
-    assert count("F2FP.RELU.F16.F32") == 3 * SCORES_PER_THREAD // 2 + SCORES_PER_THREAD // 4
+    assert count("F2FP.RELU.F16.F32") == 4 * SCORES_PER_THREAD // 2 + SCORES_PER_THREAD // 4
     assert count("PRMT") >= 3 * SCORES_PER_THREAD // 4
     assert count("F2I") + count("F2F.") + count("I2F") == 0
     assert not any("E4M3" in op for op in ops if op.startswith("F2FP")), "a score is converted to FP8"
+
+
+def test_sass_checks_the_packed_codes(sass):
+    """The real tiles' codes are checked on their packed halves: a tree of 31 max.u16x2 per thread (one thread's 32
+    words), which ptxas fuses into three-input VIMNMX3, and one vote per warp; the repair tiles' and the first tile's
+    packs compute no max (their trees are dead code)."""
+    ops = _opcodes(sass)
+    count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))
+    fused, pairs = count("VIMNMX3.U16"), count("VIMNMX.U16")  # U16x2: _opcodes reads no lower case
+    assert 2 * fused + pairs == SCORES_PER_THREAD // 2 - 1, (fused, pairs)
+    assert count("VOTE.ANY") == 1

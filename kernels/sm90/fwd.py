@@ -548,7 +548,7 @@ class ExpCastAttentionSm90:
             gemms.issue_pv(state.index, fresh)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(state)
-        rows.accumulate_last(acc_o, acc_pv)
+        rows.promote(acc_o, acc_pv, True)
 
         if piece.count == 1:
             self.store(acc_o, thr_pv, d_v, out, m_block, rows.anchor, lse)
@@ -576,9 +576,10 @@ class ExpCastAttentionSm90:
         keys: Keys,
         wg: Int32,
     ):
-        """Step j: QK^T(j) and PV(j - 1) in flight together, then key tile j's softmax, then PV(j - 1)'s sum.
+        """Step j: QK^T(j) and PV(j - 1) in flight together, then key tile j's codes on the rows' anchors, then
+        PV(j - 1)'s promotion, then the codes packed and checked (where one passed TOP_CODE, the anchor moves).
 
-        A repair tile neither moves the max nor the anchor: its keys encode on the final grid, each with its own K
+        A repair tile does not move the anchor: its keys encode on the final grid, each with its own K
         descale, those of tokens in tiles this CTA did not visit (another piece's) to 0. ``half``: a repair tile of
         ``HALF_TILE_N`` keys (the last). ``consume`` binds every argument after ``half`` once, for the whole loop.
         """
@@ -607,8 +608,11 @@ class ExpCastAttentionSm90:
         # frag_p and acc_pv belong to the PV wgmma until it retires.
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(prev)
-        rows.accumulate(acc_o, gemms.acc_pv, j % self.config.promote_every == 0)
-        rows.pack_codes(gemms.frag_p, half)
+        rows.promote(acc_o, gemms.acc_pv, j % self.config.promote_every == 0)
+        if const_expr(repair):
+            rows.pack_codes(gemms.frag_p, half)
+        else:
+            rows.pack_codes_checked(gemms.frag_p, gemms.acc_pv)
         return state
 
     @cute.jit

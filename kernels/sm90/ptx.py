@@ -1,5 +1,5 @@
 """Inline-PTX helpers for the sm90 kernels: single instructions the DSL does not expose, or would contract or
-convert differently (``mul.rn``, ``prmt``, ``cvt.rn.relu.f16x2``)."""
+convert differently (``mul.rn``, ``prmt``, ``cvt.rn.relu.f16x2``, ``max.u16x2``, a vote on packed halves)."""
 
 from cutlass import Float32, Int32, Uint32
 from cutlass._mlir.dialects import llvm
@@ -34,3 +34,23 @@ def pack_codes_f16(high: Float32, low: Float32, *, loc=None, ip=None) -> Uint32:
     the half from ``low`` is bytes 0-1 of the word, the one from ``high`` bytes 2-3."""
     operands = [Float32(high).ir_value(loc=loc, ip=ip), Float32(low).ir_value(loc=loc, ip=ip)]
     return Uint32(ptx(T.i32(), operands, "cvt.rn.relu.f16x2.f32 $0, $1, $2;", "=r,f,f"))
+
+
+@dsl_user_op
+def max_u16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+    """``max.u16x2``: each 16-bit half the larger of the two (codes packed as FP16 words >= 0 order as integers);
+    ptxas fuses a tree of them into three-input VIMNMX3."""
+    operands = [Uint32(v).ir_value(loc=loc, ip=ip) for v in (a, b)]
+    return Uint32(ptx(T.i32(), operands, "max.u16x2 $0, $1, $2;", "=r,r,r"))
+
+
+@dsl_user_op
+def warp_any_half_above(word: Uint32, limit: int, *, loc=None, ip=None) -> Int32:
+    """1 in every lane of the warp where some lane's ``word`` holds a 16-bit half above ``limit``, else 0 (one
+    ``vote.sync.any``: a warp-uniform value to branch on)."""
+    instruction = (
+        "{ .reg .pred p, q; .reg .b32 low; and.b32 low, $1, 0xffff; setp.gt.u32 p, low, %d; "
+        "setp.gt.or.u32 p, $1, %d, p; vote.sync.any.pred q, p, 0xffffffff; selp.u32 $0, 1, 0, q; }"
+        % (limit, (limit << 16) | 0xFFFF)
+    )
+    return Int32(ptx(T.i32(), [Uint32(word).ir_value(loc=loc, ip=ip)], instruction, "=r,r"))

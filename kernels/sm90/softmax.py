@@ -1,16 +1,18 @@
-"""ExpCast online softmax on wgmma accumulators: running max, code anchor, codes, packing, rescale.
+"""ExpCast online softmax on wgmma accumulators: code anchor, codes, packing, the anchor's moves, promotion.
 
 Register picture (m64nN f32 accumulator of one warpgroup, per thread): the fragment is
 ``((2, 2, N/8), 1, 1):((1, 2, 4), 0, 0)``; value ``e + 2 r + 4 c`` sits at row ``r`` (0, 1: this thread's
 two rows, 8 apart) and column ``2 (lane % 4) + e + 8 c``. ``rows_view`` re-indexes it as
 ``(row, column-within-thread)``. Per row the four lanes of a quad together hold all N columns.
 
-Per key tile and row, with ``s`` codes per raw score unit and ``d_k`` the tile's K descale:
-``m = max(m, rowmax(raw) * d_k)``, ``anchor = rne(119.65 - s * m)``,
-``y = fma(raw, s * d_k * 2^-24, anchor * 2^-24)`` is the code in units of FP16's smallest subnormal;
+Per key tile and row, with ``s`` codes per raw score unit and ``d_k`` the tile's K descale: at once, on the row's
+anchor (the first tile's from its max, ``anchor = rne(119.65 - s * rowmax(raw) * d_k)``),
+``y = fma(raw, s * d_k * 2^-24, anchor * 2^-24)``, the code in units of FP16's smallest subnormal;
 ``cvt.rn.relu.f16x2.f32`` rounds two such values to integers on the subnormal grid and clips them at 0, leaving
-each code (0..120) in the low byte of a 16-bit half; one PRMT gathers four of those bytes into a PV A word.
-Per score: one FFMA, half a conversion, a quarter PRMT (the clip costs nothing).
+each code in the low byte of a 16-bit half; one PRMT gathers four of those bytes into a PV A word. The packed
+halves' max (``max.u16x2``, fused into VIMNMX3) and one warp vote check that no code passed TOP_CODE (126); a warp
+where one did moves those rows' anchors (``move_anchor``: the top code back on 119 or 120) and packs again. Per 64
+codes of a thread: 64 FFMA, 32 conversions, 16 PRMT, 18 VIMNMX, a vote; no row max before the FFMAs, no shuffle.
 """
 
 import functools
@@ -19,8 +21,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr
 
-from ..expcast import CODE_UNIT, EXPCAST_BIAS, LN2, LOG2_PER_CODE, LSE_CODE_OFFSET, MAX_CODE
-from .ptx import byte_perm, mul_rn, pack_codes_f16
+from ..expcast import CODE_UNIT, EXPCAST_BIAS, LN2, LOG2_PER_CODE, LSE_CODE_OFFSET, TOP_CODE
+from .ptx import byte_perm, max_u16x2, mul_rn, pack_codes_f16, warp_any_half_above
 
 
 HALF_LOW_BYTES = 0x6420
@@ -34,6 +36,11 @@ under them, held in 4 registers, where 32 would not fit beside the accumulators 
 REPAIR_GROUP_KEYS = 16
 """Keys from a lane's slot p to the next row group's: column 4 g + p is column p's key plus 16 g (column i + 4 is
 c + 2: 16 keys on)."""
+UNITS_PER_CODE = 1.0 / CODE_UNIT
+"""2^24: an FP32 code times it is the code (exact)."""
+TOP_LANES = 4
+"""Running maxima of a thread's packed code words (its 32: 2 rows x 16), so that the max's tree is 4 chains deep
+plus 2, not 31, behind the last conversion."""
 QUAD_SEGMENT = (0b00011 << 8) | 31
 """``shfl.sync.idx``'s c operand (segment mask in bits 8-12, clamp in 0-4) that keeps the source lane's quad
 position (lane bits 0-1) from the reading lane and takes bits 2-4 from b: source ``t + b`` for b = 4 g, an
@@ -90,10 +97,10 @@ class ExpCastSoftmax:
 
     Bound once for the whole loop: the QK accumulator ``acc_s`` (the tile's raw scores, encoded in place), its rows
     view ``scores``, the same of a last repair tile of 64 keys (``acc_s_half``, ``scores_half``: keys 0..63 are
-    columns 0..15 of either view, ``tile_scores``), the (row, key) coordinates ``key_coords`` of those values (the rows view of the tile's identity
-    tensor partitioned like them) and ``s``, the codes per raw score unit (d_q included). Row state, (2,) FP32 each:
-    the running max ``m``, the code ``anchor``, ``alpha`` (the last tile's rescale of earlier sums) and ``pending``
-    (O's rescale since the PV sum last moved into it, ``accumulate``).
+    columns 0..15 of either view, ``tile_scores``), the (row, key) coordinates ``key_coords`` of those values (the
+    rows view of the tile's identity tensor partitioned like them) and ``s``, the codes per raw score unit (d_q
+    included). Row state, (2,) FP32 each: the code ``anchor`` and ``pending`` (O's rescale since the PV sum last moved
+    into it, ``promote``).
 
     The kernel builds its softmax from ``ExpCastAttentionSm90.softmax_class``; notes/probe_*.py subclass this class
     to leave steps out or swap them.
@@ -105,9 +112,7 @@ class ExpCastSoftmax:
         self.acc_s_half = acc_s_half
         self.scores_half = rows_view(acc_s_half)
         self.key_coords = key_coords
-        self.m = cute.make_rmem_tensor((2,), Float32)
         self.anchor = cute.make_rmem_tensor((2,), Float32)
-        self.alpha = cute.make_rmem_tensor((2,), Float32)
         self.pending = cute.make_rmem_tensor((2,), Float32)
         self.pending.fill(1.0)
         self.s = s
@@ -118,15 +123,17 @@ class ExpCastSoftmax:
     def online_codes(
         self, has_padding: cutlass.Boolean, valid_keys: Int32, d_k: Float32, is_first: cutlass.Constexpr[bool]
     ):
-        """One key tile's softmax step: mask padding keys, fold the max, move the anchor, encode in place."""
+        """One key tile's codes: mask padding keys, anchor the row on its first tile, encode in place on the anchor
+        (checked after the PV wait: ``pack_codes_checked``)."""
         if has_padding:
             self.mask_keys(valid_keys)
-        self.update_max(d_k, is_first)
+        if const_expr(is_first):
+            self.first_anchor(d_k)
         self.encode(mul_rn(self.s, d_k))
 
     @cute.jit
     def mask_keys(self, valid_keys: Int32):
-        """Padding keys (column >= valid_keys) get -inf: they must not raise the max; their code is 0."""
+        """Padding keys (column >= valid_keys) get -inf: their code is 0."""
         scores, coords = self.scores, self.key_coords
         for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
             if coords[0, i][1] >= valid_keys:
@@ -134,28 +141,17 @@ class ExpCastSoftmax:
                     scores[r, i] = -Float32.inf
 
     @cute.jit
-    def update_max(self, d_k: Float32, is_first: cutlass.Constexpr[bool]):
-        """Fold the tile into the running max; move the anchor; ``alpha`` rescales earlier accumulators."""
-        scores, m, anchor, alpha, s = self.scores, self.m, self.anchor, self.alpha, self.s
+    def first_anchor(self, d_k: Float32):
+        """The row's anchor from its first key tile's max (K-descaled): ``expcast.code_anchor``."""
         for r in cutlass.range_constexpr(2):
-            tile_max = mul_rn(row_max(scores, r), d_k)
-            if const_expr(is_first):
-                m[r] = tile_max
-                anchor[r] = code_anchor(tile_max, s)
-            else:
-                m[r] = cute.arch.fmax(m[r], tile_max)
-                new_anchor = code_anchor(m[r], s)
-                alpha[r] = Float32(1.0)
-                if new_anchor != anchor[r]:
-                    alpha[r] = cute.math.exp2((new_anchor - anchor[r]) * LOG2_PER_CODE, fastmath=True)
-                anchor[r] = new_anchor
+            self.anchor[r] = code_anchor(mul_rn(row_max(self.scores, r), d_k), self.s)
 
     @cute.jit
     def encode(self, coef: Float32):
         """In place: each raw score becomes ``fma(raw, coef * 2^-24, anchor * 2^-24)``, its code times 2^-24.
 
         Both scalings are exact (powers of two), so the FFMA's result is the FP32 rounding of the code;
-        ``pack_codes`` rounds it to an integer and clips it at 0. The top score lands on 119 or 120.
+        ``pack_codes`` rounds it to an integer and clips it at 0 (``expcast.encode``, ``expcast.round_codes``).
         """
         scores, anchor = self.scores, self.anchor
         unit = Float32(CODE_UNIT)
@@ -197,18 +193,17 @@ class ExpCastSoftmax:
         self, tiles: cute.Tensor, first: Int32, visits, whole: cutlass.Boolean, half: cutlass.Constexpr[bool]
     ):
         """A repair tile: ``encode`` with a coefficient per key (each key's own descale: repair keys come from any
-        block; ``load_repair_keys``) on the row's final anchor, which the tile does not move (alpha = 1); code 0 for
+        block; ``load_repair_keys``) on the row's final anchor, which the tile does not move; code 0 for
         the keys whose token's tile (``tiles``, the head's R, from ``first``) this CTA did not visit
         (``visits(tile)`` false: another piece's keys). ``whole``: this CTA visits every tile (an unsplit unit), so
         every key is its own and neither ``tiles`` nor ``visits`` is read. ``half``: a tile of 64 keys, the last
         (``load_repair_keys``), its scores in ``acc_s_half``.
 
-        A repair key's score equals that of the real key it copies, which this CTA visited, so its code stays at or
-        below the row max's; the zero keys padding the last repair tile score 0, which a row whose scores are all
-        negative encodes above MAX_CODE (127 would be E4M3's NaN, and NaN times their zero values is NaN): codes are
-        clamped to MAX_CODE.
+        A repair key's score equals that of the real key it copies, which this CTA visited, so its code is at most
+        TOP_CODE on the final anchor, as that key's; the zero keys padding the last repair tile score 0, which a row
+        whose scores are all negative encodes above TOP_CODE (127 would be E4M3's NaN, and NaN times their zero values
+        is NaN): codes are clamped to TOP_CODE.
         """
-        self.alpha.fill(1.0)
         if whole:
             self.encode_repair_keys(None, None, half)
         else:
@@ -225,7 +220,7 @@ class ExpCastSoftmax:
         it (``repair_key_source``); a half tile's columns come from row groups 0..3 only."""
         scores, anchor, s, descales = self.tile_scores(half), self.anchor, self.s, self.repair_d_k
         unit = Float32(CODE_UNIT)
-        top = Float32(MAX_CODE * CODE_UNIT)
+        top = Float32(TOP_CODE * CODE_UNIT)
         biases = [anchor[r] * unit for r in range(2)]
         for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
             group, slot = repair_key_source(i)
@@ -248,11 +243,15 @@ class ExpCastSoftmax:
         ``frag_p`` is ``((4, 2, 2), 1, K/32)``: 16 bytes per 32-key k-block, word ``r + 2 h`` holding row r,
         k positions ``4 lane + 16 h + 0..3``. Those take accumulator columns ``2 lane + e + 8 c`` of the
         k-block's 4 column groups, c = 2h (bytes 0, 1) and 2h + 1 (bytes 2, 3): one conversion per column group
-        (e = 0 low half, e = 1 high half), one PRMT per word.
+        (e = 0 low half, e = 1 high half), one PRMT per word. Returns the max of the converted words' halves
+        (``max.u16x2``), the codes' top, for ``pack_codes_checked`` (codes above 255 wrap in their byte); where it
+        goes unused (the first tile, the repair tiles, a repack) the max tree is dead code and compiles away.
         """
         codes = self.acc_s_half if half else self.acc_s
         p_words = cute.recast_tensor(frag_p, Uint32)
         k_blocks = cute.size(frag_p, mode=[2]) // (2 if half else 1)
+        tops = [None] * TOP_LANES
+        n = 0
         for kb in cutlass.range_constexpr(k_blocks):
             for h in cutlass.range_constexpr(2):
                 for r in cutlass.range_constexpr(2):
@@ -260,34 +259,53 @@ class ExpCastSoftmax:
                     first = pack_codes_f16(codes[1 + 2 * r + 4 * c], codes[2 * r + 4 * c])
                     second = pack_codes_f16(codes[1 + 2 * r + 4 * (c + 1)], codes[2 * r + 4 * (c + 1)])
                     p_words[r + 2 * h + 4 * kb] = byte_perm(first, second, HALF_LOW_BYTES)
+                    pair = max_u16x2(first, second)
+                    lane = n % TOP_LANES
+                    tops[lane] = pair if tops[lane] is None else max_u16x2(tops[lane], pair)
+                    n += 1
+        return max_u16x2(max_u16x2(tops[0], tops[1]), max_u16x2(tops[2], tops[3]))
 
     @cute.jit
-    def accumulate(self, acc_o: cute.Tensor, acc_pv: cute.Tensor, promote: cutlass.Boolean):
-        """Rescale the wgmma's sum ``acc_pv`` by ``alpha`` and fold alpha into the row's ``pending`` factor for the
-        FP32 sum ``acc_o`` (rows whose anchor held have alpha = 1 exactly and skip it); then, if ``promote``, move
-        the wgmma's sum into the FP32 one, ``O = fma(O, pending, PV)`` (l, column 128, included), and reset
-        ``pending`` to 1.
+    def pack_codes_checked(self, frag_p: cute.Tensor, acc_pv: cute.Tensor):
+        """``pack_codes`` of a real (whole) tile, encoded on the rows' anchors before the tile's max was known: a warp
+        where some code passed TOP_CODE moves those rows' anchors (``move_anchor``) and packs again."""
+        top = self.pack_codes(frag_p, False)
+        if warp_any_half_above(top, TOP_CODE) != 0:
+            self.move_anchor(acc_pv)
+            self.pack_codes(frag_p, False)
 
-        O is rescaled at promotion, once for every anchor move since the last one, so a move costs 35 FMULs per row
-        instead of 68; with no move, the FMA by 1.0 is the plain add. The promotion stays behind the rescale on
-        purpose: it depends on nothing the softmax computes, and hoisted above it, it would make ptxas wait for the
-        PV wgmma before the softmax.
-        """
-        alpha, pending = self.alpha, self.pending
-        rows, tile = rows_view(acc_o), rows_view(acc_pv)
+    @cute.jit
+    def move_anchor(self, acc_pv: cute.Tensor):
+        """A row whose top code ``rne(max(y) 2^24)`` passed TOP_CODE moves its anchor down by
+        ``shift = rne(max(y) 2^24 - 119.65)``, so that the top code is 119 or 120 (``expcast.code_shift``): its codes
+        by ``shift`` (FP32, exact for every code above 0), the wgmma's sum ``acc_pv`` and ``pending`` (O's at its next
+        promotion) by ``alpha = 2^(-shift / 8)``. The PV sum of the tiles before is already in ``acc_pv`` (or, at a
+        promotion, in O, with ``pending`` reset)."""
+        scores, anchor, pending = self.scores, self.anchor, self.pending
+        tile = rows_view(acc_pv)
+        unit = Float32(CODE_UNIT)
         for r in cutlass.range_constexpr(2):
-            if alpha[r] != Float32(1.0):
-                pending[r] = pending[r] * alpha[r]
+            top = row_max(scores, r) * Float32(UNITS_PER_CODE)
+            if cute.math.roundeven(top) > Float32(TOP_CODE):
+                shift = cute.math.roundeven(top - Float32(EXPCAST_BIAS))
+                anchor[r] = anchor[r] - shift
+                alpha = cute.math.exp2(-shift * LOG2_PER_CODE, fastmath=True)
+                pending[r] = pending[r] * alpha
                 for i in cutlass.range_constexpr(cute.size(tile, mode=[1])):
-                    tile[r, i] = tile[r, i] * alpha[r]
-        if promote:
+                    tile[r, i] = tile[r, i] * alpha
+                step = shift * unit
+                for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                    scores[r, i] = scores[r, i] - step
+
+    @cute.jit
+    def promote(self, acc_o: cute.Tensor, acc_pv: cute.Tensor, due: cutlass.Boolean):
+        """If ``due``, move the wgmma's sum into the FP32 one, ``O = fma(O, pending, PV)`` (l, column 128, included),
+        and reset ``pending`` to 1: O takes every anchor move since the last promotion at once (with none, the FMA by
+        1.0 is the plain add). Runs after the PV wait (it reads the wgmma's sum) and before the codes' check, whose
+        moves rescale what it leaves (``move_anchor``)."""
+        if due:
+            rows, tile, pending = rows_view(acc_o), rows_view(acc_pv), self.pending
             for r in cutlass.range_constexpr(2):
                 for i in cutlass.range_constexpr(cute.size(rows, mode=[1])):
                     rows[r, i] = cute.math.fma(rows[r, i], pending[r], tile[r, i])
                 pending[r] = Float32(1.0)
-
-    @cute.jit
-    def accumulate_last(self, acc_o: cute.Tensor, acc_pv: cute.Tensor):
-        """The last tile's PV: no anchor moves after it (alpha = 1), and its sum moves into O."""
-        self.alpha.fill(1.0)
-        self.accumulate(acc_o, acc_pv, True)
