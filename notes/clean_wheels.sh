@@ -4,7 +4,15 @@
 # (torch pinned to the image's 2.11.0 so that the rest resolves against it). They are grouped into folders
 # .whl/c1 .. .whl/c6 of at most 60 MB, one per device call (a call carries 64 MiB); the three wheels over that
 # travel split in parts that notes/device_run.sh joins.
+#   notes/clean_wheels.sh           everything a fresh install resolves (the GPU tests, the examples, the benches)
+#   notes/clean_wheels.sh lean      only what the device image lacks for the GPU tests, the probes and the benches: the
+#                                   kernel's stack (the DSL in its CUDA 13 flavor, TVM FFI, the DLPack extension,
+#                                   CUDA's bindings) and diffusers with what it needs beyond the image (the image's
+#                                   transformers, accelerate, numpy, ... stand in): two calls instead of six; not for
+#                                   the flavor stage (no CUDA 12 flavor) or the generate stage (no imageio-ffmpeg)
 set -euo pipefail
+mode=${1:-all}
+[[ $mode == all || $mode == lean ]] || { echo "usage: $0 [lean]" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 work=$(mktemp -d)
 platforms=""
@@ -13,16 +21,21 @@ echo "torch==2.11.0" > "$work/constraints.txt"
 PIP_CONSTRAINT= python3 -m pip install -q --dry-run --ignore-installed --report "$work/report.json" \
   -c "$work/constraints.txt" --python-version 3.12 --implementation cp $platforms --platform manylinux2014_x86_64 \
   --platform manylinux2010_x86_64 --platform manylinux1_x86_64 --only-binary=:all: --target "$work/t" .
-rm -rf .whl/clean .whl/c[0-9]* && mkdir -p .whl/clean
-python3 - "$work/report.json" .whl/clean <<'EOF'
+rm -rf .whl/clean .whl/parts .whl/c[0-9]* && mkdir -p .whl/clean
+python3 - "$work/report.json" .whl/clean "$mode" <<'EOF'
 import json, re, shutil, sys, urllib.request
 from pathlib import Path
 
-report, folder = json.load(open(sys.argv[1])), Path(sys.argv[2])
+report, folder, mode = json.load(open(sys.argv[1])), Path(sys.argv[2]), sys.argv[3]
+LEAN = {
+    "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core",
+    "nvidia-cutlass-dsl-libs-cu13", "apache-tvm-ffi", "torch-c-dlpack-ext", "cuda-bindings", "cuda-pathfinder",
+    "diffusers", "aenum", "importlib-metadata",
+}
 for item in report["install"]:
     name = re.sub(r"[-_.]+", "-", item["metadata"]["name"]).lower()
     torch_side = name in ("torch", "triton", "cuda-toolkit") or (name.startswith("nvidia-") and "cutlass" not in name)
-    if torch_side or name == "openvc-diffusers":
+    if torch_side or name == "openvc-diffusers" or (mode == "lean" and name not in LEAN):
         continue
     url = item["download_info"]["url"]
     target = folder / url.rsplit("/", 1)[-1].split("#")[0]

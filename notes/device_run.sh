@@ -14,7 +14,8 @@
 #   ring      examples/bench_ring_shards.py ${RING_ARGS} (R simulated key shards merged by their lse, vs the unsplit call)
 #   inputs    examples/capture.py (tiny Wan on the GPU, ${CAPTURE_ARGS}) then bench_attention.py --inputs on its file
 # Wheels: notes/clean_wheels.sh writes what a fresh `pip install .` resolves (less torch and its CUDA libraries,
-# the image's own) into .whl/c1 .. .whl/cN, one folder per call (carry [".whl/cK"]). Each call stashes what it
+# the image's own) into .whl/c1 .. .whl/cN, one folder per call (carry [".whl/cK"]); `notes/clean_wheels.sh lean`
+# only what the image lacks for the GPU tests, probes and benches, in two folders (two calls instead of six). Each call stashes what it
 # carries in /tmp/wheels; until every piece its MANIFEST names is there it exits 3 ("stashed"). Then the pieces
 # are joined and installed with --no-deps into /tmp/site, which holds nothing else, and the checkout itself is
 # installed from source into /tmp/project at every call (the tree travels anew each time).
