@@ -27,8 +27,22 @@ if __name__ == "openvc_kernels":
         "visiting_order",
     ]
 else:
-    # Found as a top-level "kernels" (a checkout's root on sys.path): transformers imports any "kernels" it finds,
-    # taking it for the Hugging Face package of that name. Importing our modules a second time under that name would
-    # register the custom op again, bound to a second compile cache; without a __file__ this module reads as a
-    # namespace package, which transformers ignores.
-    __file__ = None
+    # Found as a top-level "kernels" (a checkout's root on sys.path: `python -m ...` or `python -c ...` there), where
+    # transformers imports Hugging Face's package of that name (which it requires from 5.25 on). Our modules must not
+    # run a second time under that name (the custom op would register again, bound to a second compile cache): the
+    # name goes to Hugging Face's package where one is installed; else this module stays empty, without a __file__,
+    # which transformers reads as a namespace package and ignores.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _elsewhere = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _checkout]
+    _theirs = importlib.machinery.PathFinder.find_spec(__name__, _elsewhere)
+    if _theirs is None:
+        __file__ = None
+    else:
+        # The import system returns what sys.modules holds under the name once this module has run.
+        sys.modules[__name__] = importlib.util.module_from_spec(_theirs)
+        _theirs.loader.exec_module(sys.modules[__name__])

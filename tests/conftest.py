@@ -1,16 +1,7 @@
 import os
-import sys
-from pathlib import Path
 
-# `python -m pytest` puts the checkout's root on sys.path, where the folder kernels/ (installed as openvc_kernels)
-# would stand in for Hugging Face's `kernels` package, which transformers (5.25 and later) imports whenever it is
-# installed, and which it requires: every import of diffusers' models would fail. The tests import the installed
-# packages, never the root's folders.
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != ROOT]
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 
 @pytest.fixture

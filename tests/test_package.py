@@ -13,17 +13,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_kernels_folder_is_not_a_second_copy_of_the_package():
     """From the checkout's root, ``kernels`` is importable by that name: transformers imports it, taking it for the
-    Hugging Face package. A second copy of our modules would register the custom op again, bound to a second
-    compile cache (the GPU tests' patched cache went unseen that way)."""
+    Hugging Face package (which it requires from 5.25 on). A second copy of our modules would register the custom op
+    again, bound to a second compile cache (the GPU tests' patched cache went unseen that way): the name goes to
+    Hugging Face's package where it is installed, and none of our modules runs under it."""
     code = (
-        "import sys, kernels, openvc_diffusers, openvc_kernels\n"
-        "from transformers.utils import is_kernels_available\n"
-        "copies = sorted(name for name in sys.modules if name.startswith('kernels.'))\n"
-        "print(copies, is_kernels_available(), hasattr(kernels, 'attention'))"
+        "import importlib.metadata, sys, kernels, openvc_diffusers, openvc_kernels\n"
+        f"root = {str(ROOT)!r}\n"
+        "ours = sorted(name for name, module in list(sys.modules.items()) if name.split('.')[0] == 'kernels'\n"
+        "              and (getattr(module, '__file__', None) or '').startswith(root))\n"
+        "try:\n"
+        "    theirs = importlib.metadata.version('kernels')\n"
+        "except importlib.metadata.PackageNotFoundError:\n"
+        "    theirs = None\n"
+        "print(ours, hasattr(kernels, 'attention'), theirs is None or kernels.__file__ is not None)"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "[] False False"
+    assert done.stdout.strip().splitlines()[-1] == "[] False True"
 
 
 def test_kernels_compile_for_sm90_without_a_gpu_after_the_dsl_was_imported(tmp_path):
