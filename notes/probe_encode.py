@@ -9,23 +9,19 @@
 
 The two packings of earlier kernels do not check the codes (``Unchecked``): a row's anchor stays where its first key
 tile put it, so rows whose max rises later overflow their codes (wrong outputs; the time is what this compares).
-Prints each variant's output difference from the shipped kernel and the time of two rounds.
-Run on a Hopper GPU: ``python notes/probe_encode.py``; ``--sass DIR`` compiles every variant for sm_90a and
-dumps its SASS (no GPU needed). ``tests/test_probes.py`` compiles every variant on the CPU.
+Prints each variant's output difference from the shipped kernel, its error against float64 and the time of three
+rounds (``variant_runner``). Run on a Hopper GPU: ``python notes/probe_encode.py``; ``--sass DIR`` compiles every
+variant for sm_90a and dumps its SASS (no GPU needed). ``tests/test_probes.py`` compiles every variant on the CPU.
 """
-
-import argparse
-import os
-import subprocess
-import sys
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Uint32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+import variant_runner
 from openvc_kernels.expcast import CODE_UNIT
-from openvc_kernels.ops import compile_attention, forward_args
+from openvc_kernels.ops import compile_attention
 from openvc_kernels.sm90 import ptx, softmax
 from openvc_kernels.sm90.config import ForwardConfig
 from openvc_kernels.sm90.fwd import ExpCastAttentionSm90
@@ -35,8 +31,6 @@ ROUND_MAGIC = float(2**23)
 LOW_BYTES, HALVES = 0x0040, 0x5410
 """Session 3's prmt selectors: low bytes of two words side by side; two such halves into one word."""
 
-SHAPES = ((32_760, 12), (75_600, 40))
-TAU = 128**-0.5
 
 
 def fill_pv_operand(frag_p: cute.Tensor, words: cute.Tensor, word_at):
@@ -133,54 +127,5 @@ def compile_variant(name: str):
     return compile_attention(config, Variant)
 
 
-def dump_sass(folder: str) -> None:
-    """One subprocess per variant: the DSL reads its dump settings at import."""
-    for name in VARIANTS:
-        dump = os.path.join(folder, name.replace(" ", "_").replace(",", ""))
-        os.makedirs(dump, exist_ok=True)
-        env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="sass", CUTE_DSL_DUMP_DIR=dump)
-        script = f"import probe_encode as p; p.compile_variant({name!r})"
-        subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=os.path.dirname(__file__))
-
-
-def main():
-    import torch
-    from triton.testing import do_bench
-
-    from openvc_kernels.ops import prepare
-
-    print(torch.cuda.get_device_name(), flush=True)
-    kernels = {name: compile_variant(name) for name in VARIANTS}
-    for seq, heads in SHAPES:
-        flop = 4 * seq * seq * heads * 128
-        sets = []
-        for _ in range(2):
-            q, k, v = (torch.randn(1, seq, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            out = torch.full_like(q, float("nan"))
-            sets.append(forward_args(prepare(q, k, v), out, softmax_scale=TAU, window=4, split_tail=True))
-        outs = {}
-        for name, kernel in kernels.items():
-            sets[0].out.fill_(float("nan"))
-            kernel(*sets[0])
-            outs[name] = sets[0].out.float().clone()
-        ref = outs["shipped"]
-        for name, o in outs.items():
-            rel = ((o - ref).norm() / ref.norm()).item()
-            print(f"{seq}x{heads} {name:>24}: finite {bool(o.isfinite().all())}, rel-L2 vs shipped {rel:.2e}, "
-                  f"equal {(o == ref).float().mean().item():.6f}", flush=True)
-        for rnd in range(2):
-            for name, kernel in kernels.items():
-                turn = iter(range(10**9))
-                call = lambda kernel=kernel, sets=sets, turn=turn: kernel(*sets[next(turn) % 2])  # noqa: E731
-                ms = do_bench(call, warmup=100, rep=600, return_mode="median")
-                print(f"{seq}x{heads} round {rnd} {name:>24}: {ms:8.2f} ms {flop / ms / 1e9:7.0f} TFLOP/s",
-                      flush=True)
-        del sets, outs
-        torch.cuda.empty_cache()
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sass", metavar="DIR", help="compile every variant for sm_90a and dump SASS into DIR")
-    args = parser.parse_args()
-    dump_sass(args.sass) if args.sass else main()
+    variant_runner.main(__doc__, "probe_encode")
