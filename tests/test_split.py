@@ -103,8 +103,10 @@ def test_split_reference_is_as_accurate_as_the_unsplit_one(accumulation, fresh_s
     split = reference_attention(q, k, v, accumulation=accumulation, sm_count=sms)
     exact = exact_attention(q, k, v)
     assert not torch.equal(whole, split)
-    # Measured (exact sums): 0.75% apart over all units, ~1.6% on the split ones; errors vs float64 within 1e-4.
-    assert rel_l2(split, whole) < 0.02, f"seed {fresh_seed}"
+    # Measured (6 seeds, 2026-12-04): 0.85-0.90% apart with exact sums (14 of 64 units split), 1.84-2.03% with wgmma
+    # sums (every unit split); errors vs float64 within 1e-4. Before codes could rise to 126 on an anchor (semantics
+    # item 4) 0.72-0.76% and 1.58-1.74%: a piece's anchor and the whole unit's now differ by up to 6 codes more.
+    assert rel_l2(split, whole) < 0.025, f"seed {fresh_seed}"
     assert abs(rel_l2(split, exact) - rel_l2(whole, exact)) < 2e-3, f"seed {fresh_seed}"
     if accumulation == "exact":  # whole waves: no tail, no split
         assert torch.equal(reference_attention(q, k, v, accumulation=accumulation, sm_count=units), whole)
