@@ -3,12 +3,15 @@
   shipped          the FFMAs at once on the row's anchor; after the PV wait the FP16 packing, with the packed halves'
                    max (max.u16x2, fused into 13 VIMNMX3 + 5 VIMNMX a thread) and one warp vote: a code above 126
                    (E4M3's 448) takes the warp to the rare path (``ExpCastSoftmax.move_anchor``), which lowers those
-                   rows' anchors so that their top code is 119 or 120, rescales, shifts the FP32 codes and packs again
+                   rows' anchors so that their top code is 111 or 112 (``expcast.MOVE_BIAS``, an octave under a first
+                   anchor's), rescales, shifts the FP32 codes and packs again
   row max first    the kernel until 2026-12-03: per key tile and row the raw scores' max (64 FMNMX a thread, two
                    shuffles), the anchor from it (``rne(119.65 - s m)``, m the running max), then the FFMAs; after the
                    PV wait the rescale where the anchor moved, the promotion, the packing
-  moves to 112     the shipped kernel, a move putting the top code an octave lower (111 or 112): more headroom
-  anchors at 112   the same, and the first anchor too (timing and accuracy only: not the reference's semantics)
+  moves to 120     the shipped kernel of 2026-12-04 00:26: a move puts the top code on 119 or 120, as a first anchor
+                   does (6 codes of headroom before the next move, not 14)
+  anchors at 112   the shipped kernel with the first anchor an octave lower too (timing and accuracy only: not the
+                   reference's semantics)
 
 The first two differ in their semantics (the README's, items 2-4): the shipped kernel's codes may reach 126 before an
 anchor moves, the other's stay at 119 or 120 and move with every new max past half a code, so their outputs differ
@@ -77,42 +80,24 @@ class RowMaxFirst(softmax.ExpCastSoftmax):
         self.pack_codes(frag_p, False)
 
 
-class MovesLower(softmax.ExpCastSoftmax):
-    """A move puts the top code on 111 or 112 (``target``, an octave under the shipped 119.65): 14 codes of headroom
-    after a move instead of 6 (semantics not the reference's: timing and accuracy only)."""
+class MovesToFirstBias(softmax.ExpCastSoftmax):
+    """A move puts the top code where a first anchor does (119 or 120)."""
 
-    target = softmax.EXPCAST_BIAS - 8
-
-    @cute.jit
-    def move_anchor(self, acc_pv: cute.Tensor):
-        scores, anchor, pending = self.scores, self.anchor, self.pending
-        tile = softmax.rows_view(acc_pv)
-        for r in cutlass.range_constexpr(2):
-            top = softmax.row_max(scores, r) * Float32(softmax.UNITS_PER_CODE)
-            if cute.math.roundeven(top) > Float32(softmax.TOP_CODE):
-                shift = cute.math.roundeven(top - Float32(self.target))
-                anchor[r] = anchor[r] - shift
-                alpha = cute.math.exp2(-shift * LOG2_PER_CODE, fastmath=True)
-                pending[r] = pending[r] * alpha
-                for i in cutlass.range_constexpr(cute.size(tile, mode=[1])):
-                    tile[r, i] = tile[r, i] * alpha
-                step = shift * Float32(softmax.CODE_UNIT)
-                for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                    scores[r, i] = scores[r, i] - step
+    move_bias = softmax.EXPCAST_BIAS
 
 
-class AnchorsLower(MovesLower):
-    """Also the first anchor an octave lower: every row's top code on 111 or 112 until a code passes 126."""
+class AnchorsLower(softmax.ExpCastSoftmax):
+    """The first anchor an octave lower too: every row's top code on 111 or 112 until a code passes 126."""
 
     @cute.jit
     def first_anchor(self, d_k: Float32):
         for r in cutlass.range_constexpr(2):
             m = ptx.mul_rn(softmax.row_max(self.scores, r), d_k)
-            self.anchor[r] = cute.math.roundeven(Float32(self.target) - ptx.mul_rn(self.s, m))
+            self.anchor[r] = cute.math.roundeven(Float32(self.move_bias) - ptx.mul_rn(self.s, m))
 
 
 VARIANTS = {
-    "shipped": softmax.ExpCastSoftmax, "row max first": RowMaxFirst, "moves to 112": MovesLower,
+    "shipped": softmax.ExpCastSoftmax, "row max first": RowMaxFirst, "moves to 120": MovesToFirstBias,
     "anchors at 112": AnchorsLower,
 }
 

@@ -11,7 +11,7 @@ anchor (the first tile's from its max, ``anchor = rne(119.65 - s * rowmax(raw) *
 ``cvt.rn.relu.f16x2.f32`` rounds two such values to integers on the subnormal grid and clips them at 0, leaving
 each code in the low byte of a 16-bit half; one PRMT gathers four of those bytes into a PV A word. The packed
 halves' max (``max.u16x2``, fused into VIMNMX3) and one warp vote check that no code passed TOP_CODE (126); a warp
-where one did moves those rows' anchors (``move_anchor``: the top code back on 119 or 120) and packs again. Per 64
+where one did moves those rows' anchors (``move_anchor``: the top code onto 111 or 112) and packs again. Per 64
 codes of a thread: 64 FFMA, 32 conversions, 16 PRMT, 18 VIMNMX, a vote; no row max before the FFMAs, no shuffle.
 """
 
@@ -21,7 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr
 
-from ..expcast import CODE_UNIT, EXPCAST_BIAS, LN2, LOG2_PER_CODE, LSE_CODE_OFFSET, TOP_CODE
+from ..expcast import CODE_UNIT, EXPCAST_BIAS, LN2, LOG2_PER_CODE, LSE_CODE_OFFSET, MOVE_BIAS, TOP_CODE
 from .ptx import byte_perm, max_u16x2, mul_rn, pack_codes_f16, warp_any_half_above
 
 
@@ -105,6 +105,9 @@ class ExpCastSoftmax:
     The kernel builds its softmax from ``ExpCastAttentionSm90.softmax_class``; notes/probe_*.py subclass this class
     to leave steps out or swap them.
     """
+
+    move_bias = MOVE_BIAS
+    """Where a moved row's top code lands before rounding (``expcast.MOVE_BIAS``); probes swap it."""
 
     def __init__(self, acc_s: cute.Tensor, acc_s_half: cute.Tensor, key_coords: cute.Tensor, s: Float32):
         self.acc_s = acc_s
@@ -277,7 +280,7 @@ class ExpCastSoftmax:
     @cute.jit
     def move_anchor(self, acc_pv: cute.Tensor):
         """A row whose top code ``rne(max(y) 2^24)`` passed TOP_CODE moves its anchor down by
-        ``shift = rne(max(y) 2^24 - 119.65)``, so that the top code is 119 or 120 (``expcast.code_shift``): its codes
+        ``shift = rne(max(y) 2^24 - 111.65)``, so that the top code is 111 or 112 (``expcast.code_shift``): its codes
         by ``shift`` (FP32, exact for every code above 0), the wgmma's sum ``acc_pv`` and ``pending`` (O's at its next
         promotion) by ``alpha = 2^(-shift / 8)``. The PV sum of the tiles before is already in ``acc_pv`` (or, at a
         promotion, in O, with ``pending`` reset)."""
@@ -287,7 +290,7 @@ class ExpCastSoftmax:
         for r in cutlass.range_constexpr(2):
             top = row_max(scores, r) * Float32(UNITS_PER_CODE)
             if cute.math.roundeven(top) > Float32(TOP_CODE):
-                shift = cute.math.roundeven(top - Float32(EXPCAST_BIAS))
+                shift = cute.math.roundeven(top - Float32(self.move_bias))
                 anchor[r] = anchor[r] - shift
                 alpha = cute.math.exp2(-shift * LOG2_PER_CODE, fastmath=True)
                 pending[r] = pending[r] * alpha
