@@ -18,7 +18,7 @@ def test_the_kernels_folder_is_not_a_second_copy_of_the_package():
     Hugging Face's package where it is installed, and none of our modules runs under it."""
     code = (
         "import importlib.metadata, sys, kernels, openvc_diffusers, openvc_kernels\n"
-        f"root = {str(ROOT)!r}\n"
+        f"root = {str(ROOT) + os.sep!r}\n"
         "ours = sorted(name for name, module in list(sys.modules.items()) if name.split('.')[0] == 'kernels'\n"
         "              and (getattr(module, '__file__', None) or '').startswith(root))\n"
         "try:\n"
