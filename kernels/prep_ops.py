@@ -138,13 +138,13 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
     otherwise one contiguous copy. Where a stride is not a multiple of 8 elements (which the compiled kernels
     check), size-1 dims get stride 0: torch reports any stride there (and calls such a tensor contiguous)."""
     elems = INPUT_ALIGN // x.element_size()
-    if not all(st % elems == 0 for st in x.stride()[:3]):
-        x = x.as_strided(x.shape, [st if n > 1 else 0 for n, st in zip(x.shape, x.stride())])
-    in_place = (
-        x.stride(3) == 1
-        and all(st % elems == 0 for st in x.stride()[:3])
-        and x.data_ptr() % INPUT_ALIGN == 0
-    )
+    strides = x.stride()  # read once: each read is host time
+    aligned = all(st % elems == 0 for st in strides[:3])
+    if not aligned:
+        x = x.as_strided(x.shape, [st if n > 1 else 0 for n, st in zip(x.shape, strides)])
+        strides = x.stride()
+        aligned = all(st % elems == 0 for st in strides[:3])
+    in_place = strides[3] == 1 and aligned and x.data_ptr() % INPUT_ALIGN == 0
     return x if in_place else torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
 
 
