@@ -328,7 +328,7 @@ def prepare(
         tokens = torch.empty(batch, heads, count, dtype=torch.int64, device=q.device)
         # The choice runs on a few SMs (one CTA per head): beside Q's and K's quantization, not before them.
         # (torch.cuda.set_stream rather than the torch.cuda.stream context: a third of its host time.)
-        here, aside = torch.cuda.current_stream(q.device), _side_stream(q.device, threading.get_ident())
+        here, aside = _current_stream(q.device), _side_stream(q.device, threading.get_ident())
         aside.fork.record(here)
         aside.stream.wait_event(aside.fork)
         torch.cuda.set_stream(aside.stream)
@@ -355,6 +355,20 @@ class SideStream(NamedTuple):
     stream: torch.cuda.Stream
     fork: torch.cuda.Event
     join: torch.cuda.Event
+
+
+def _current_stream(device: torch.device) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(device)`` for the device of a CUDA tensor (its index set, CUDA initialized), the
+    Stream object made once per stream (``_stream``) rather than on every call (host time)."""
+    return _stream(torch._C._cuda_getCurrentStream(device.index))
+
+
+@functools.lru_cache(maxsize=64)
+def _stream(stream_data: tuple[int, int, int]) -> torch.cuda.Stream:
+    """The Stream object of ``torch._C._cuda_getCurrentStream``'s ``(stream_id, device_index, device_type)``: it
+    holds these three numbers only, so one object serves every call on that stream."""
+    stream_id, device_index, device_type = stream_data
+    return torch.cuda.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
 
 
 @functools.cache
