@@ -116,7 +116,9 @@ def _check_kernel_args(
         q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking,
         softmax_scale=softmax_scale, dtypes=KERNEL_DTYPES,
     )
-    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    # Capture only leaves out the shared scales' values: without shared scales there is nothing to ask.
+    shared = v_absmax is not None or k_mean is not None
+    capturing = shared and q.is_cuda and torch.cuda.is_current_stream_capturing()
     check_shared_scales(q, k, smooth_k=smooth_k, v_absmax=v_absmax, k_mean=k_mean, values=not capturing)
     reason = input_unsupported_reason(q.device, q.dtype, q.shape[-1])
     if reason is not None:
