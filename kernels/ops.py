@@ -8,6 +8,8 @@ log-sum-exp) are the registered custom ops (with fake implementations, so ``torc
 
 import contextlib
 import functools
+import importlib
+import types
 
 import torch
 
@@ -125,10 +127,15 @@ def _check_kernel_args(
         raise ValueError(reason)
 
 
-def _prepare_checked(q, k, v, options: PrepareOptions, v_absmax, k_mean) -> Prepared:
-    from . import prep_ops
+@functools.cache
+def _dsl_module(name: str) -> types.ModuleType:
+    """The module ``openvc_kernels.<name>`` (``prep_ops``, ``sm90.fwd``), imported at its first use, not with the
+    package: it imports the CuTe DSL. Looked up here once rather than by an import statement in every call."""
+    return importlib.import_module(f"{__package__}.{name}")
 
-    return prep_ops.prepare(q, k, v, options, v_absmax=v_absmax, k_mean=k_mean)
+
+def _prepare_checked(q, k, v, options: PrepareOptions, v_absmax, k_mean) -> Prepared:
+    return _dsl_module("prep_ops").prepare(q, k, v, options, v_absmax=v_absmax, k_mean=k_mean)
 
 
 @functools.cache
@@ -186,8 +193,6 @@ def forward_args(
 ):
     """The forward kernel's arguments (``sm90.fwd.ForwardArgs``) for ``attention_prepared``'s call; ``lse``
     (B, H, S_q) fp32 for the kernel that writes it."""
-    from .sm90.fwd import ForwardArgs
-
     p = prepared
     batch, heads, s_q_pad, _ = p.q8.shape
     units = batch * heads * (s_q_pad // BLOCK)
@@ -197,7 +202,7 @@ def forward_args(
     # What the kernel takes but never reads, without repair (d_k_repair, tile_repair) and without write_lse (lse):
     # compact (B, H, 1) stand-ins, never empty tensors.
     stand_in = p.d_v[..., None] if not (p.repair_tiles and lse is not None) else None
-    return ForwardArgs(
+    return _dsl_module("sm90.fwd").ForwardArgs(
         q8=p.q8,
         k8=p.k8,
         v_packed=p.v_packed,
@@ -262,10 +267,8 @@ def _run_checked(
 ):
     """The fused preparation, the kernel, and with K smoothing the lse's ``q . mean`` shift (K's mean then reduced
     here, once, for both), on checked arguments."""
-    from . import prep_ops
-
     if return_lse and smooth_k:
-        k_mean = prep_ops.smoothing_mean(k, k_mean)
+        k_mean = _dsl_module("prep_ops").smoothing_mean(k, k_mean)
     options = PrepareOptions(smooth_k, repair_ratio, repair_ranking, softmax_scale)
     prepared = _prepare_checked(q, k, v, options, v_absmax, k_mean)
     out = torch.empty(q.shape, dtype=OUT_DTYPE, device=q.device)
