@@ -81,6 +81,13 @@ def _cache_name(config: ForwardConfig) -> str:
     return config.cache_name
 
 
+@functools.cache
+def _shipped_config(plain_order: bool, write_lse: bool) -> ForwardConfig:
+    """The shipped kernel's config for a visiting order and lse, made once (it is frozen): making one walks its
+    fields, host time on every call."""
+    return ForwardConfig(plain_order=plain_order, write_lse=write_lse)
+
+
 @functools.lru_cache(maxsize=64)
 def _codes_per_dot_value(softmax_scale: float) -> float:
     """``expcast.codes_per_dot`` as the kernel's float argument, once per scale: making the tensor is host time on
@@ -245,7 +252,10 @@ def attention_prepared(
     (which ``return_lse`` sets), for the probes.
     """
     check_softmax_scale(softmax_scale)
-    config = ForwardConfig(plain_order=window is None, write_lse=return_lse, **tuning)
+    if tuning:
+        config = ForwardConfig(plain_order=window is None, write_lse=return_lse, **tuning)
+    else:
+        config = _shipped_config(window is None, return_lse)
     batch, s_q, heads, _ = out.shape
     lse = torch.empty(batch, heads, s_q, dtype=torch.float32, device=out.device) if return_lse else None
     args = forward_args(prepared, out, softmax_scale=softmax_scale, window=window, split_tail=split_tail, lse=lse)
