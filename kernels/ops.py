@@ -389,12 +389,15 @@ def _nothing_sees_the_op(*tensors: torch.Tensor | None) -> bool:
     """Whether calling the custom op's body directly is the same as calling the op: plain tensors, no autograd
     to record (the op's backward raises), and no dispatch or function mode, functorch transform or JIT tracer
     that would see the op itself."""
-    tensors = [t for t in tensors if t is not None]
-    return (
-        all(type(t) is torch.Tensor for t in tensors)
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-        and not torch._C._len_torch_dispatch_stack()
-        and not torch._C._len_torch_function_stack()
-        and torch._C._functorch.peek_interpreter_stack() is None
-        and not torch.jit.is_tracing()
+    # One pass over the tensors, then torch's C queries (torch._C._is_tracing: torch.jit.is_tracing's, outside
+    # TorchScript).
+    grad_enabled = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor or (grad_enabled and t.requires_grad)):
+            return False
+    return not (
+        torch._C._len_torch_dispatch_stack()
+        or torch._C._len_torch_function_stack()
+        or torch._C._functorch.peek_interpreter_stack() is not None
+        or torch._C._is_tracing()
     )
