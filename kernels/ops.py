@@ -8,6 +8,8 @@ log-sum-exp) are the registered custom ops (with fake implementations, so ``torc
 
 import contextlib
 import functools
+import importlib
+import types
 
 import torch
 
@@ -79,6 +81,13 @@ def _cache_name(config: ForwardConfig) -> str:
     return config.cache_name
 
 
+@functools.cache
+def _shipped_config(plain_order: bool, write_lse: bool) -> ForwardConfig:
+    """The shipped kernel's config for a visiting order and lse, made once (it is frozen): making one walks its
+    fields, host time on every call."""
+    return ForwardConfig(plain_order=plain_order, write_lse=write_lse)
+
+
 @functools.lru_cache(maxsize=64)
 def _codes_per_dot_value(softmax_scale: float) -> float:
     """``expcast.codes_per_dot`` as the kernel's float argument, once per scale: making the tensor is host time on
@@ -116,17 +125,24 @@ def _check_kernel_args(
         q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking,
         softmax_scale=softmax_scale, dtypes=KERNEL_DTYPES,
     )
-    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    # Capture only leaves out the shared scales' values: without shared scales there is nothing to ask.
+    shared = v_absmax is not None or k_mean is not None
+    capturing = shared and q.is_cuda and torch.cuda.is_current_stream_capturing()
     check_shared_scales(q, k, smooth_k=smooth_k, v_absmax=v_absmax, k_mean=k_mean, values=not capturing)
     reason = input_unsupported_reason(q.device, q.dtype, q.shape[-1])
     if reason is not None:
         raise ValueError(reason)
 
 
-def _prepare_checked(q, k, v, options: PrepareOptions, v_absmax, k_mean) -> Prepared:
-    from . import prep_ops
+@functools.cache
+def _dsl_module(name: str) -> types.ModuleType:
+    """The module ``openvc_kernels.<name>`` (``prep_ops``, ``sm90.fwd``), imported at its first use, not with the
+    package: it imports the CuTe DSL. Looked up here once rather than by an import statement in every call."""
+    return importlib.import_module(f"{__package__}.{name}")
 
-    return prep_ops.prepare(q, k, v, options, v_absmax=v_absmax, k_mean=k_mean)
+
+def _prepare_checked(q, k, v, options: PrepareOptions, v_absmax, k_mean) -> Prepared:
+    return _dsl_module("prep_ops").prepare(q, k, v, options, v_absmax=v_absmax, k_mean=k_mean)
 
 
 @functools.cache
@@ -184,8 +200,6 @@ def forward_args(
 ):
     """The forward kernel's arguments (``sm90.fwd.ForwardArgs``) for ``attention_prepared``'s call; ``lse``
     (B, H, S_q) fp32 for the kernel that writes it."""
-    from .sm90.fwd import ForwardArgs
-
     p = prepared
     batch, heads, s_q_pad, _ = p.q8.shape
     units = batch * heads * (s_q_pad // BLOCK)
@@ -195,7 +209,7 @@ def forward_args(
     # What the kernel takes but never reads, without repair (d_k_repair, tile_repair) and without write_lse (lse):
     # compact (B, H, 1) stand-ins, never empty tensors.
     stand_in = p.d_v[..., None] if not (p.repair_tiles and lse is not None) else None
-    return ForwardArgs(
+    return _dsl_module("sm90.fwd").ForwardArgs(
         q8=p.q8,
         k8=p.k8,
         v_packed=p.v_packed,
@@ -238,7 +252,10 @@ def attention_prepared(
     (which ``return_lse`` sets), for the probes.
     """
     check_softmax_scale(softmax_scale)
-    config = ForwardConfig(plain_order=window is None, write_lse=return_lse, **tuning)
+    if tuning:
+        config = ForwardConfig(plain_order=window is None, write_lse=return_lse, **tuning)
+    else:
+        config = _shipped_config(window is None, return_lse)
     batch, s_q, heads, _ = out.shape
     lse = torch.empty(batch, heads, s_q, dtype=torch.float32, device=out.device) if return_lse else None
     args = forward_args(prepared, out, softmax_scale=softmax_scale, window=window, split_tail=split_tail, lse=lse)
@@ -260,10 +277,8 @@ def _run_checked(
 ):
     """The fused preparation, the kernel, and with K smoothing the lse's ``q . mean`` shift (K's mean then reduced
     here, once, for both), on checked arguments."""
-    from . import prep_ops
-
     if return_lse and smooth_k:
-        k_mean = prep_ops.smoothing_mean(k, k_mean)
+        k_mean = _dsl_module("prep_ops").smoothing_mean(k, k_mean)
     options = PrepareOptions(smooth_k, repair_ratio, repair_ranking, softmax_scale)
     prepared = _prepare_checked(q, k, v, options, v_absmax, k_mean)
     out = torch.empty(q.shape, dtype=OUT_DTYPE, device=q.device)
@@ -374,12 +389,15 @@ def _nothing_sees_the_op(*tensors: torch.Tensor | None) -> bool:
     """Whether calling the custom op's body directly is the same as calling the op: plain tensors, no autograd
     to record (the op's backward raises), and no dispatch or function mode, functorch transform or JIT tracer
     that would see the op itself."""
-    tensors = [t for t in tensors if t is not None]
-    return (
-        all(type(t) is torch.Tensor for t in tensors)
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-        and not torch._C._len_torch_dispatch_stack()
-        and not torch._C._len_torch_function_stack()
-        and torch._C._functorch.peek_interpreter_stack() is None
-        and not torch.jit.is_tracing()
+    # One pass over the tensors, then torch's C queries (torch._C._is_tracing: torch.jit.is_tracing's, outside
+    # TorchScript).
+    grad_enabled = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor or (grad_enabled and t.requires_grad)):
+            return False
+    return not (
+        torch._C._len_torch_dispatch_stack()
+        or torch._C._len_torch_function_stack()
+        or torch._C._functorch.peek_interpreter_stack() is not None
+        or torch._C._is_tracing()
     )

@@ -138,13 +138,13 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
     otherwise one contiguous copy. Where a stride is not a multiple of 8 elements (which the compiled kernels
     check), size-1 dims get stride 0: torch reports any stride there (and calls such a tensor contiguous)."""
     elems = INPUT_ALIGN // x.element_size()
-    if not all(st % elems == 0 for st in x.stride()[:3]):
-        x = x.as_strided(x.shape, [st if n > 1 else 0 for n, st in zip(x.shape, x.stride())])
-    in_place = (
-        x.stride(3) == 1
-        and all(st % elems == 0 for st in x.stride()[:3])
-        and x.data_ptr() % INPUT_ALIGN == 0
-    )
+    strides = x.stride()  # read once: each read is host time
+    aligned = all(st % elems == 0 for st in strides[:3])
+    if not aligned:
+        x = x.as_strided(x.shape, [st if n > 1 else 0 for n, st in zip(x.shape, strides)])
+        strides = x.stride()
+        aligned = all(st % elems == 0 for st in strides[:3])
+    in_place = strides[3] == 1 and aligned and x.data_ptr() % INPUT_ALIGN == 0
     return x if in_place else torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
 
 
@@ -328,7 +328,7 @@ def prepare(
         tokens = torch.empty(batch, heads, count, dtype=torch.int64, device=q.device)
         # The choice runs on a few SMs (one CTA per head): beside Q's and K's quantization, not before them.
         # (torch.cuda.set_stream rather than the torch.cuda.stream context: a third of its host time.)
-        here, aside = torch.cuda.current_stream(q.device), _side_stream(q.device, threading.get_ident())
+        here, aside = _current_stream(q.device), _side_stream(q.device, threading.get_ident())
         aside.fork.record(here)
         aside.stream.wait_event(aside.fork)
         torch.cuda.set_stream(aside.stream)
@@ -355,6 +355,20 @@ class SideStream(NamedTuple):
     stream: torch.cuda.Stream
     fork: torch.cuda.Event
     join: torch.cuda.Event
+
+
+def _current_stream(device: torch.device) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(device)`` for the device of a CUDA tensor (its index set, CUDA initialized), the
+    Stream object made once per stream (``_stream``) rather than on every call (host time)."""
+    return _stream(torch._C._cuda_getCurrentStream(device.index))
+
+
+@functools.lru_cache(maxsize=64)
+def _stream(stream_data: tuple[int, int, int]) -> torch.cuda.Stream:
+    """The Stream object of ``torch._C._cuda_getCurrentStream``'s ``(stream_id, device_index, device_type)``: it
+    holds these three numbers only, so one object serves every call on that stream."""
+    stream_id, device_index, device_type = stream_data
+    return torch.cuda.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
 
 
 @functools.cache

@@ -14,31 +14,41 @@ from .repair import REPAIR_RANKINGS
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """What the reference takes (the kernel: fp16 and bf16)."""
+QKV_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+"""What ``check_qkv`` takes: every floating-point dtype of two bytes or more (float64 goes to a fallback)."""
 MAX_REPAIR_RATIO = 0.5
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise ``ValueError`` unless q, k, v are floating-point ``(B, S, H, D)`` tensors of one device and dtype,
     with k and v of one shape and q agreeing with them in batch, heads and head_dim (S_q may differ)."""
+    # Each tensor's shape, dtype and device read once: every read is host time on every call.
+    q_dtype = q_device = None
+    shapes = []
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, seq_len, heads, head_dim), got shape {tuple(x.shape)}")
-        if not x.dtype.is_floating_point or x.dtype.itemsize < 2:
-            raise ValueError(f"{name} has dtype {x.dtype}; attention takes float16, bfloat16, float32 or float64")
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; all inputs must share a device")
-        if x.dtype != q.dtype:
-            raise ValueError(f"{name} has dtype {x.dtype} but q has {q.dtype}; all inputs must share a dtype")
-        if min(x.shape) == 0:
-            raise ValueError(f"{name} has an empty dimension: shape {tuple(x.shape)}")
-    b, _, h, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if (k.shape[0], k.shape[2], k.shape[3]) != (b, h, d):
+        shape, dtype, device = x.shape, x.dtype, x.device
+        if len(shape) != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seq_len, heads, head_dim), got shape {tuple(shape)}")
+        if dtype not in QKV_DTYPES:
+            raise ValueError(f"{name} has dtype {dtype}; attention takes float16, bfloat16, float32 or float64")
+        if name == "q":
+            q_dtype, q_device = dtype, device
+        if device != q_device:
+            raise ValueError(f"{name} is on {device} but q is on {q_device}; all inputs must share a device")
+        if dtype != q_dtype:
+            raise ValueError(f"{name} has dtype {dtype} but q has {q_dtype}; all inputs must share a dtype")
+        if 0 in shape:
+            raise ValueError(f"{name} has an empty dimension: shape {tuple(shape)}")
+        shapes.append(shape)
+    q_shape, k_shape, v_shape = shapes
+    b, _, h, d = q_shape
+    if k_shape != v_shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k_shape)} and {tuple(v_shape)}")
+    if (k_shape[0], k_shape[2], k_shape[3]) != (b, h, d):
         raise ValueError(
-            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, heads and head_dim "
+            f"q {tuple(q_shape)} and k {tuple(k_shape)} must agree in batch, heads and head_dim "
             "(layout (batch, seq_len, heads, head_dim))"
         )
 
