@@ -6,7 +6,8 @@
 #   tests     ${TESTS} (default tests/test_sm90_gpu.py): paths or node ids, split on spaces (so no -k expressions)
 #   generate  examples/generate.py on the tiny Wan pipeline (stock attention, then Open-VC on the kernel)
 #   bench     examples/bench_attention.py ${BENCH_ARGS} (every peer, each timed twice: BENCH_TIMEOUT default 450 s)
-#   ncu       Nsight Compute on one forward-kernel launch at 32,760 x 12 (notes/kernel_once.py)
+#   ncu       Nsight Compute on one forward-kernel launch at each of ${NCU_SHAPES} (default 32760x12;
+#             notes/kernel_once.py)
 #   pipeline  examples/bench_pipeline.py ${PIPELINE_ARGS}
 #   ulysses   torchrun examples/bench_ulysses.py on every GPU of the machine ${ULYSSES_ARGS}
 #   probe     notes/${PROBE} (default probe_variants.py; several names, split on spaces, run in turn), each a
@@ -76,11 +77,13 @@ for stage in ${STAGES:-none}; do
       timeout -k 5 ${GENERATE_TIMEOUT:-200} python3 examples/generate.py --output /tmp/generate 2>&1 \
         | tee $OUT/generate.log | tail -n 12 ;;
     ncu)
-      timeout -k 5 ${NCU_TIMEOUT:-150} ncu --clock-control none -k regex:ExpCastAttentionSm90 --launch-skip 1 \
-        --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
-        --section SchedulerStats --section Occupancy --section LaunchStats \
-        --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second \
-        python3 notes/kernel_once.py 2>&1 | tee $OUT/ncu.log | tail -n 120 ;;
+      for shape in ${NCU_SHAPES:-32760x12}; do
+        timeout -k 5 ${NCU_TIMEOUT:-150} ncu --clock-control none -k regex:ExpCastAttentionSm90 --launch-skip 1 \
+          --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+          --section SchedulerStats --section Occupancy --section LaunchStats \
+          --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second \
+          python3 notes/kernel_once.py $shape 2>&1 | tee $OUT/ncu_$shape.log | tail -n 120
+      done ;;
     pipeline)
       timeout -k 5 ${PIPELINE_TIMEOUT:-400} python3 examples/bench_pipeline.py ${PIPELINE_ARGS:---size 480p,720p --steps 3} \
         --json $OUT/bench_pipeline.json 2>&1 | tee $OUT/bench_pipeline.log | grep -v "^    " ;;
