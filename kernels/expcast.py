@@ -21,8 +21,7 @@ score encodes to 119 or 120 (``code_anchor``)."""
 MOVE_BIAS = EXPCAST_BIAS - 8
 """111.65: where a row's anchor moves, its top score's code before rounding (``code_shift``), so that it encodes to
 111 or 112. An octave under a first anchor's: 14 codes (1.2 nats) of headroom before the next move, not 6, so that
-fewer key tiles move an anchor. The same fraction .65 as a first anchor's, so that ExpCast's per-code rounding (beta)
-stays centred."""
+fewer key tiles move an anchor. The shift is a whole number of codes, so no code rounds differently after it."""
 
 TOP_CODE = 126
 """E4M3 0x7E = 448.0, the largest finite byte (0x7F is NaN): the highest code a row's scores take on its anchor. A
