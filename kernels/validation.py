@@ -14,7 +14,7 @@ from .repair import REPAIR_RANKINGS
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """What the reference takes (the kernel: fp16 and bf16)."""
-QKV_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+QKV_DTYPES = frozenset((*INPUT_DTYPES, torch.float64))
 """What ``check_qkv`` takes: every floating-point dtype of two bytes or more (float64 goes to a fallback)."""
 MAX_REPAIR_RATIO = 0.5
 
