@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from openvc_diffusers.config import OpenVCConfig
 from openvc_kernels import attention
+from profile_call import forward_lead
 
 CALLS = 60
 PROFILED_CALLS = 16
@@ -55,13 +56,9 @@ def profiled(order: list[str], sets) -> dict[str, tuple[float, float, float]]:
     found = {name: ([], [], []) for name in OPTIONS}
     first = 0
     for name in order:
-        forward = next(i for i in range(first, len(ops)) if "ExpCastAttentionSm90" in ops[i].name)
-        busy_until, busy = ops[first].time_range.start, 0.0
-        for e in ops[first:forward]:
-            begin = max(e.time_range.start, busy_until)
-            busy, busy_until = busy + max(0.0, e.time_range.end - begin), max(busy_until, e.time_range.end)
-        lead = ops[forward].time_range.start - ops[first].time_range.start
-        for values, value in zip(found[name], (lead, lead - busy, ops[forward].time_range.elapsed_us())):
+        lead, idle, forward = forward_lead(ops[first:])
+        forward += first
+        for values, value in zip(found[name], (lead, idle, ops[forward].time_range.elapsed_us())):
             values.append(value)
         first = forward + 1
     return {name: tuple(statistics.median(v[1:]) for v in values) for name, values in found.items()}

@@ -90,6 +90,19 @@ def profile_call(seq: int, heads: int, name: str) -> None:
     sys.stdout.flush()
 
 
+def forward_lead(ops: list) -> tuple[float, float, int]:
+    """For one call's GPU operations (profiler events in start order, the forward kernel among them): the time from the
+    first one to the forward kernel's start, how much of it the GPU sat idle (waiting for the host's launches;
+    overlapping operations, the side stream's, count once), and the forward kernel's index in ``ops``."""
+    forward = next(i for i, e in enumerate(ops) if "ExpCastAttentionSm90" in e.name)
+    busy_until, busy = ops[0].time_range.start, 0.0
+    for e in ops[:forward]:
+        start, end = max(e.time_range.start, busy_until), e.time_range.end
+        busy, busy_until = busy + max(0.0, end - start), max(busy_until, end)
+    lead = ops[forward].time_range.start - ops[0].time_range.start
+    return lead, lead - busy, forward
+
+
 def synced_lead(call, sets, per_call: int) -> None:
     """Calls made each alone (synchronize, call), as the bench's synchronized timing makes them: the median time
     from the call's first GPU operation to the forward kernel's start, and how much of it the GPU sat idle (waiting
@@ -105,15 +118,9 @@ def synced_lead(call, sets, per_call: int) -> None:
     )
     leads, idles = [], []
     for c in range(1, CALLS):
-        ops = kernels[c * per_call:(c + 1) * per_call]
-        forward = next(i for i, e in enumerate(ops) if "ExpCastAttentionSm90" in e.name)
-        lead = ops[forward].time_range.start - ops[0].time_range.start
-        busy_until, busy = ops[0].time_range.start, 0.0
-        for e in ops[:forward]:  # overlapping operations (the side stream) count once
-            start, end = max(e.time_range.start, busy_until), e.time_range.end
-            busy, busy_until = busy + max(0.0, end - start), max(busy_until, end)
+        lead, idle, _ = forward_lead(kernels[c * per_call:(c + 1) * per_call])
         leads.append(lead)
-        idles.append(lead - busy)
+        idles.append(idle)
     print(
         f"  synchronized calls: the forward kernel starts {statistics.median(leads):.1f} us after the call's first "
         f"GPU operation, {statistics.median(idles):.1f} us of it idle"
