@@ -92,18 +92,11 @@ def sass(request, tmp_path_factory) -> str:
     if done.returncode != 0 and "nvdisasm" in done.stderr:
         pytest.skip("SASS dump needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
     assert done.returncode == 0, done.stderr[-4000:]
+    assert " 0 bytes spill stores" in done.stderr, "the kernel spills registers"
     assert "wgmma" not in done.stderr.lower(), "ptxas serialized the wgmmas"
-    frame = re.search(r"(\d+) bytes stack frame", done.stderr)
-    assert frame and int(frame.group(1)) <= MAX_STACK_FRAME, frame and frame.group(0)
     files = sorted(Path(dump).glob("*.sass"))
     assert len(files) == 1
     return files[0].read_text()
-
-
-MAX_STACK_FRAME = 128
-"""Bytes of local memory the kernel may spill to (80 on nvidia-cutlass-dsl 4.8.1): the two rows' packed maxima that
-the codes' check keeps apart for ``move_anchor`` leave ptxas a register short, and it spills values that live across
-the loop over real key tiles, outside it (``test_no_spill_in_the_real_tiles_loop``)."""
 
 
 def _opcodes(sass: str) -> Counter:
@@ -145,40 +138,5 @@ def test_sass_checks_the_packed_codes(sass):
     fused, pairs = count("VIMNMX3.U16"), count("VIMNMX.U16")  # U16x2: _opcodes reads no lower case
     # ... and one a row in the rare path: the row's top code, the larger half of its packed maximum.
     assert 2 * fused + pairs == SCORES_PER_THREAD // 2 - 1 + 2, (fused, pairs)
-    assert count("VOTE.ANY") == 1
-
-
-def _address(line: str) -> int | None:
-    found = re.search(r"/\*([0-9a-f]{4,})\*/", line)
-    return int(found.group(1), 16) if found else None
-
-
-def test_no_spill_in_the_real_tiles_loop(sass):
-    """The loop over real key tiles (the innermost loop around the one VOTE.ANY: the span from a label before it to
-    the nearest branch back to that label after it) holds no local-memory load or store."""
-    labels, branches, vote, spills = {}, [], None, []
-    pending = []
-    for line in sass.splitlines():
-        label = re.match(r"\s*(\.L_x_\d+):", line)
-        if label:
-            pending.append(label.group(1))
-            continue
-        address = _address(line)
-        if address is None:
-            continue
-        for name in pending:
-            labels[name] = address
-        pending = []
-        target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
-        if target:
-            branches.append((address, target.group(1)))
-        if "VOTE.ANY" in line:
-            vote = address
-        if re.search(r"\b(STL|LDL)(\.\w+)*\s", line):
-            spills.append(address)
-    assert vote is not None
-    loops = [(labels[name], at) for at, name in branches if at > vote and labels.get(name, vote + 1) < vote]
-    assert loops, "no loop around the codes' check"
-    start, end = min(loops, key=lambda loop: loop[1] - loop[0])
-    inside = [hex(a) for a in spills if start <= a <= end]
-    assert not inside, f"local memory in the real tiles' loop {hex(start)}..{hex(end)}: {inside}"
+    # The rare path's own vote: whether a code passed FP16's whole numbers (then the FP32 maxima, warp-wide).
+    assert count("VOTE.ANY") == 2

@@ -287,18 +287,22 @@ class ExpCastSoftmax:
         the wgmma's sum ``acc_pv`` and ``pending`` (O's at its next promotion) by ``alpha = 2^(-shift / 8)``. The PV
         sum of the tiles before is already in ``acc_pv`` (or, at a promotion, in O, with ``pending`` reset).
 
-        The top code is the larger half of the row's packed maximum (``tops``, ``pack_codes``): ``rne(max(y) 2^24)``
-        itself below EXACT_PACKED_CODES; at or above it (FP16 rounds to fewer digits, or to inf) the FP32 codes' max,
-        rounded."""
+        The top code is the larger half of the row's packed maximum (``tops``, ``pack_codes``: this lane's 32 of the
+        row's codes), the max over the row's four lanes (shuffles: before any branch that could split the warp):
+        ``rne(max(y) 2^24)`` itself below EXACT_PACKED_CODES. Where any lane of the warp holds a code at or above it
+        (FP16 rounds those to fewer digits, or to inf), the whole warp takes the FP32 codes' max instead, rounded."""
         scores, anchor, pending = self.scores, self.anchor, self.pending
         tile = rows_view(acc_pv)
         unit = Float32(CODE_UNIT)
+        top = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
-            top = larger_half(tops[r])
-            if top > Float32(TOP_CODE):
-                if top >= Float32(EXACT_PACKED_CODES):
-                    top = cute.math.roundeven(row_max(scores, r) * Float32(UNITS_PER_CODE))
-                shift = top - Float32(self.move_code)
+            top[r] = quad_max(larger_half(tops[r]))
+        if warp_any_half_above(max_u16x2(tops[0], tops[1]), EXACT_PACKED_CODES - 1) != 0:
+            for r in cutlass.range_constexpr(2):
+                top[r] = cute.math.roundeven(row_max(scores, r) * Float32(UNITS_PER_CODE))
+        for r in cutlass.range_constexpr(2):
+            if top[r] > Float32(TOP_CODE):
+                shift = top[r] - Float32(self.move_code)
                 anchor[r] = anchor[r] - shift
                 alpha = cute.math.exp2(-shift * LOG2_PER_CODE, fastmath=True)
                 pending[r] = pending[r] * alpha
