@@ -110,7 +110,7 @@ class Fp32RowMax(softmax.ExpCastSoftmax):
 
 
 class AnchorsLower(softmax.ExpCastSoftmax):
-    """The first anchor an octave lower too: every row's top code on 111 or 112 until a code passes 126."""
+    """The first anchor an octave lower too: every row's top code on 111 or 112 until a code passes 126, then on 112."""
 
     @cute.jit
     def first_anchor(self, d_k: Float32):
