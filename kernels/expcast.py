@@ -18,10 +18,11 @@ MAX_CODE = 120
 """E4M3 0x78 = 256.0 = 2^8: the common factor every probability carries; where a row's first anchor is set, its top
 score encodes to 119 or 120 (``code_anchor``)."""
 
-MOVE_BIAS = EXPCAST_BIAS - 8
-"""111.65: where a row's anchor moves, its top score's code before rounding (``code_shift``), so that it encodes to
-111 or 112. An octave under a first anchor's: 14 codes (1.2 nats) of headroom before the next move, not 6, so that
-fewer key tiles move an anchor. The shift is a whole number of codes, so no code rounds differently after it."""
+MOVE_CODE = 112
+"""Where a row's anchor moves, its top code lands (``code_shift``): the anchor moves by a whole number of codes, so
+every code of the row keeps its rounding (``rne(y - n) = rne(y) - n``) and the top one becomes 112. An octave under a
+first anchor's top (119 or 120): 14 codes (1.2 nats) of headroom before the next move, not 6, so that fewer key tiles
+move an anchor."""
 
 TOP_CODE = 126
 """E4M3 0x7E = 448.0, the largest finite byte (0x7F is NaN): the highest code a row's scores take on its anchor. A
@@ -101,13 +102,13 @@ def anchored_encode(raw: torch.Tensor, coef: torch.Tensor, anchor: torch.Tensor)
 
 def code_shift(y: torch.Tensor) -> torch.Tensor:
     """How far each row's anchor moves down for a key tile encoded on it (``y``: (..., keys), ``encode``'s values):
-    where the row's top code ``rne(max(y) / 2^-24)`` passes TOP_CODE, by ``rne(max(y) / 2^-24 - MOVE_BIAS)``, so that
-    the top code lands on 111 or 112, else 0. The row's codes are then
-    ``y - shift * 2^-24`` (FP32: exact for every value that codes above 0, which is larger than the shift), its sums
-    rescaled by ``2^(-shift / 8)``. FP32 throughout (the division by 2^-24 exact); integers."""
-    top = y.amax(dim=-1) / torch.tensor(CODE_UNIT, dtype=torch.float32)
-    shift = torch.round(top - torch.tensor(MOVE_BIAS, dtype=torch.float32))
-    return torch.where(torch.round(top) > TOP_CODE, shift, 0.0)
+    where the row's top code ``rne(max(y) / 2^-24)`` passes TOP_CODE, by that code less MOVE_CODE, so that the top
+    code becomes 112, else 0. The row's codes are then ``y - shift * 2^-24`` (FP32: exact for every value that codes
+    above 0, which is larger than the shift), its sums rescaled by ``2^(-shift / 8)``. FP32 throughout (the division
+    by 2^-24 exact); integers. (The kernel reads the top code off its packed FP16 codes, which hold it exactly below
+    2048, and takes the FP32 max above.)"""
+    top = torch.round(y.amax(dim=-1) / torch.tensor(CODE_UNIT, dtype=torch.float32))
+    return torch.where(top > TOP_CODE, top - MOVE_CODE, 0.0)
 
 
 def row_lse(l: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:

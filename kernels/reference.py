@@ -22,7 +22,7 @@ checks that each name is in both sources:
     raw | scores | a tile's raw FP32 scores Q8 . K8 (the kernel encodes them in place)
     codes | scores | the tile's codes on the row's anchor in units of 2^-24, not yet rounded (``expcast.encode``)
     anchor | anchor | the row's integer code offset: rne(119.65 - s * its first tile's max), lowered by each shift
-    shift | shift | how far a tile moves the anchor down: its top code past TOP_CODE onto MOVE_BIAS (``code_shift``)
+    shift | shift | how far a tile moves the anchor down: its top code past TOP_CODE onto MOVE_CODE (``code_shift``)
     alpha | alpha | the rescale of the earlier sums where the anchor moves, 2^(-shift LOG2_PER_CODE)
     pv | acc_pv | the PV wgmma's sum since the last promotion (numerator, denominator last)
     pending | pending | the anchor moves not yet applied to the FP32 sums

@@ -1,20 +1,22 @@
 """Device probe: how a row's anchor follows its max (kernel only, same process).
 
-  shipped          the FFMAs at once on the row's anchor; after the PV wait the FP16 packing, with the packed halves'
-                   max (max.u16x2, fused into 13 VIMNMX3 + 5 VIMNMX a thread) and one warp vote: a code above 126
-                   (E4M3's 448) takes the warp to the rare path (``ExpCastSoftmax.move_anchor``), which lowers those
-                   rows' anchors so that their top code is 111 or 112 (``expcast.MOVE_BIAS``, an octave under a first
-                   anchor's), rescales, shifts the FP32 codes and packs again
+  shipped          the FFMAs at once on the row's anchor; after the PV wait the FP16 packing, with each row's packed
+                   halves' max (max.u16x2, fused into VIMNMX3) and one warp vote: a code above 126 (E4M3's 448) takes
+                   the warp to the rare path (``ExpCastSoftmax.move_anchor``), which lowers those rows' anchors by
+                   their packed top code less 112 (``expcast.MOVE_CODE``, an octave under a first anchor's top),
+                   rescales, shifts the FP32 codes and packs again
+  fp32 row max     the shipped kernel of 2026-12-04 04:12: the rare path finds each row's top code as the max of its
+                   FP32 codes (32 FMNMX a row, two shuffles) instead of reading it off the packed maxima
   row max first    the kernel until 2026-12-03: per key tile and row the raw scores' max (64 FMNMX a thread, two
                    shuffles), the anchor from it (``rne(119.65 - s m)``, m the running max), then the FFMAs; after the
                    PV wait the rescale where the anchor moved, the promotion, the packing
-  moves to 120     the shipped kernel of 2026-12-04 00:26: a move puts the top code on 119 or 120, as a first anchor
-                   does (6 codes of headroom before the next move, not 14)
+  moves to 120     a move puts the top code on 120, as a first anchor does (6 codes of headroom before the next move,
+                   not 14; the kernel of 2026-12-04 00:26 put it on 119 or 120)
   anchors at 112   the shipped kernel with the first anchor an octave lower too (timing and accuracy only: not the
                    reference's semantics)
 
-The first two differ in their semantics (the README's, items 2-4): the shipped kernel's codes may reach 126 before an
-anchor moves, the other's stay at 119 or 120 and move with every new max past half a code, so their outputs differ
+"shipped" and "row max first" differ in their semantics (the README's, items 2-4): the shipped kernel's codes may
+reach 126 before an anchor moves, the other's stay at 119 or 120 and move with every new max past half a code, so their outputs differ
 at ExpCast's rounding (its error against float64 the same); this prints that difference, the error and the time of
 three rounds (``variant_runner``). Run on a Hopper GPU: ``python notes/probe_code_check.py``; ``--sass DIR`` dumps
 each variant's SASS (no GPU needed). ``tests/test_probes.py`` compiles every variant on the CPU.
@@ -80,25 +82,46 @@ class RowMaxFirst(softmax.ExpCastSoftmax):
         self.pack_codes(frag_p, False)
 
 
-class MovesToFirstBias(softmax.ExpCastSoftmax):
-    """A move puts the top code where a first anchor does (119 or 120)."""
+class MovesTo120(softmax.ExpCastSoftmax):
+    """A move puts the top code where a first anchor does (120)."""
 
-    move_bias = softmax.EXPCAST_BIAS
+    move_code = 120
+
+
+class Fp32RowMax(softmax.ExpCastSoftmax):
+    """The move's top code from the FP32 codes (each row's max, rounded), as the kernel took it until 2026-12-04."""
+
+    @cute.jit
+    def move_anchor(self, acc_pv: cute.Tensor, tops):
+        scores, anchor, pending = self.scores, self.anchor, self.pending
+        tile = softmax.rows_view(acc_pv)
+        for r in cutlass.range_constexpr(2):
+            top = cute.math.roundeven(softmax.row_max(scores, r) * Float32(softmax.UNITS_PER_CODE))
+            if top > Float32(softmax.TOP_CODE):
+                shift = top - Float32(self.move_code)
+                anchor[r] = anchor[r] - shift
+                alpha = cute.math.exp2(-shift * LOG2_PER_CODE, fastmath=True)
+                pending[r] = pending[r] * alpha
+                for i in cutlass.range_constexpr(cute.size(tile, mode=[1])):
+                    tile[r, i] = tile[r, i] * alpha
+                step = shift * Float32(softmax.CODE_UNIT)
+                for i in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                    scores[r, i] = scores[r, i] - step
 
 
 class AnchorsLower(softmax.ExpCastSoftmax):
-    """The first anchor an octave lower too: every row's top code on 111 or 112 until a code passes 126."""
+    """The first anchor an octave lower too: every row's top code on 111 or 112 until a code passes 126, then on 112."""
 
     @cute.jit
     def first_anchor(self, d_k: Float32):
         for r in cutlass.range_constexpr(2):
             m = ptx.mul_rn(softmax.row_max(self.scores, r), d_k)
-            self.anchor[r] = cute.math.roundeven(Float32(self.move_bias) - ptx.mul_rn(self.s, m))
+            self.anchor[r] = cute.math.roundeven(Float32(softmax.EXPCAST_BIAS - 8) - ptx.mul_rn(self.s, m))
 
 
 VARIANTS = {
-    "shipped": softmax.ExpCastSoftmax, "row max first": RowMaxFirst, "moves to 120": MovesToFirstBias,
-    "anchors at 112": AnchorsLower,
+    "shipped": softmax.ExpCastSoftmax, "fp32 row max": Fp32RowMax, "row max first": RowMaxFirst,
+    "moves to 120": MovesTo120, "anchors at 112": AnchorsLower,
 }
 
 

@@ -5,7 +5,7 @@ from openvc_kernels import expcast_decode, expcast_encode
 from openvc_kernels.expcast import (
     CODE_UNIT,
     MAX_CODE,
-    MOVE_BIAS,
+    MOVE_CODE,
     TOP_CODE,
     anchored_encode,
     code_anchor,
@@ -84,18 +84,18 @@ def test_round_codes_clip_at_the_top_code():
 @pytest.mark.parametrize(
     "top, shift",
     [
-        (100.0, 0), (120.0, 0), (126.0, 0), (126.5, 0), (126.6, 15), (127.0, 15), (127.5, 16), (300.2, 189),
-        (2.0**20, 2**20 - 112),
+        (100.0, 0), (120.0, 0), (126.0, 0), (126.5, 0), (126.6, 15), (127.0, 15), (127.5, 16), (300.2, 188),
+        (300.7, 189), (2.0**20, 2**20 - 112),
     ],
 )
 def test_code_shift_moves_a_row_only_past_the_top_code(top, shift):
     """A row's anchor stays while its top code (the RNE of the largest value, 126.5 rounding to 126) is at most
-    TOP_CODE; past it, it moves by ``rne(top - 111.65)``, so that the top code is 111 or 112, an octave under a first
+    TOP_CODE; past it, it moves by that code less MOVE_CODE, so that the top code is 112, an octave under a first
     anchor's."""
     y = torch.tensor([[top, top - 3.0, -5.0, -float("inf")]]) * CODE_UNIT
     assert code_shift(y).tolist() == [shift]
     top_code = round_codes(y - code_shift(y)[:, None] * CODE_UNIT)[0, 0].item()
-    assert top_code in ((round(MOVE_BIAS) - 1, round(MOVE_BIAS)) if shift else (round(top),))
+    assert top_code == (MOVE_CODE if shift else round(top))
 
 
 def test_a_shift_is_exact_for_every_code_above_zero(fresh_seed):

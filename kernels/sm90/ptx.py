@@ -1,5 +1,6 @@
 """Inline-PTX helpers for the sm90 kernels: single instructions the DSL does not expose, or would contract or
-convert differently (``mul.rn``, ``prmt``, ``cvt.rn.relu.f16x2``, ``max.u16x2``, a vote on packed halves)."""
+convert differently (``mul.rn``, ``prmt``, ``cvt.rn.relu.f16x2``, ``max.u16x2``, a vote on packed halves, a packed
+word's larger half as FP32)."""
 
 from cutlass import Float32, Int32, Uint32
 from cutlass._mlir.dialects import llvm
@@ -54,3 +55,15 @@ def warp_any_half_above(word: Uint32, limit: int, *, loc=None, ip=None) -> Int32
         % (limit, (limit << 16) | 0xFFFF)
     )
     return Int32(ptx(T.i32(), [Uint32(word).ir_value(loc=loc, ip=ip)], instruction, "=r,r"))
+
+
+@dsl_user_op
+def larger_half(word: Uint32, *, loc=None, ip=None) -> Float32:
+    """The larger 16-bit half of ``word`` as an FP32 whole number: ``max.u16x2`` with the word shifted down, then the
+    half's bits in the low mantissa of 2^23 less 2^23 (exact, and no integer-to-float conversion)."""
+    instruction = (
+        "{ .reg .b32 high, top; .reg .f32 biased; shr.b32 high, $1, 16; max.u16x2 top, $1, high; "
+        "and.b32 top, top, 0xffff; or.b32 top, top, 0x4b000000; mov.b32 biased, top; "
+        "sub.f32 $0, biased, 0f4B000000; }"
+    )
+    return Float32(ptx(T.f32(), [Uint32(word).ir_value(loc=loc, ip=ip)], instruction, "=f,r"))

@@ -10,8 +10,9 @@ anchor (the first tile's from its max, ``anchor = rne(119.65 - s * rowmax(raw) *
 ``y = fma(raw, s * d_k * 2^-24, anchor * 2^-24)``, the code in units of FP16's smallest subnormal;
 ``cvt.rn.relu.f16x2.f32`` rounds two such values to integers on the subnormal grid and clips them at 0, leaving
 each code in the low byte of a 16-bit half; one PRMT gathers four of those bytes into a PV A word. The packed
-halves' max (``max.u16x2``, fused into VIMNMX3) and one warp vote check that no code passed TOP_CODE (126); a warp
-where one did moves those rows' anchors (``move_anchor``: the top code onto 111 or 112) and packs again. Per 64
+halves' max (``max.u16x2``, fused into VIMNMX3; kept per row) and one warp vote check that no code passed TOP_CODE
+(126); a warp where one did moves those rows' anchors (``move_anchor``: by the row's packed top code less 112) and
+packs again. Per 64
 codes of a thread: 64 FFMA, 32 conversions, 16 PRMT, 18 VIMNMX, a vote; no row max before the FFMAs, no shuffle.
 """
 
@@ -21,8 +22,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr
 
-from ..expcast import CODE_UNIT, EXPCAST_BIAS, LN2, LOG2_PER_CODE, LSE_CODE_OFFSET, MOVE_BIAS, TOP_CODE
-from .ptx import byte_perm, max_u16x2, mul_rn, pack_codes_f16, warp_any_half_above
+from ..expcast import CODE_UNIT, EXPCAST_BIAS, LN2, LOG2_PER_CODE, LSE_CODE_OFFSET, MOVE_CODE, TOP_CODE
+from .ptx import byte_perm, larger_half, max_u16x2, mul_rn, pack_codes_f16, warp_any_half_above
 
 
 HALF_LOW_BYTES = 0x6420
@@ -38,9 +39,12 @@ REPAIR_GROUP_KEYS = 16
 c + 2: 16 keys on)."""
 UNITS_PER_CODE = 1.0 / CODE_UNIT
 """2^24: an FP32 code times it is the code (exact)."""
-TOP_LANES = 4
-"""Running maxima of a thread's packed code words (its 32: 2 rows x 16), so that the max's tree is 4 chains deep
-plus 2, not 31, behind the last conversion."""
+TOP_CHAINS = 2
+"""Running maxima of each of a thread's two rows' packed code words (16 a row), so that the max's tree is 4 chains
+deep plus 1, not 15, behind the last conversion; the rows' maxima stay apart for ``move_anchor``."""
+EXACT_PACKED_CODES = 2048
+"""FP16 holds every whole number below 2^11: a packed top code under this is the row's rounded top code exactly;
+``move_anchor`` takes the FP32 max above it (codes that far past the anchor only come from extreme scores)."""
 QUAD_SEGMENT = (0b00011 << 8) | 31
 """``shfl.sync.idx``'s c operand (segment mask in bits 8-12, clamp in 0-4) that keeps the source lane's quad
 position (lane bits 0-1) from the reading lane and takes bits 2-4 from b: source ``t + b`` for b = 4 g, an
@@ -106,8 +110,8 @@ class ExpCastSoftmax:
     to leave steps out or swap them.
     """
 
-    move_bias = MOVE_BIAS
-    """Where a moved row's top code lands before rounding (``expcast.MOVE_BIAS``); probes swap it."""
+    move_code = MOVE_CODE
+    """Where a moved row's top code lands (``expcast.MOVE_CODE``); probes swap it."""
 
     def __init__(self, acc_s: cute.Tensor, acc_s_half: cute.Tensor, key_coords: cute.Tensor, s: Float32):
         self.acc_s = acc_s
@@ -246,15 +250,15 @@ class ExpCastSoftmax:
         ``frag_p`` is ``((4, 2, 2), 1, K/32)``: 16 bytes per 32-key k-block, word ``r + 2 h`` holding row r,
         k positions ``4 lane + 16 h + 0..3``. Those take accumulator columns ``2 lane + e + 8 c`` of the
         k-block's 4 column groups, c = 2h (bytes 0, 1) and 2h + 1 (bytes 2, 3): one conversion per column group
-        (e = 0 low half, e = 1 high half), one PRMT per word. Returns the max of the converted words' halves
-        (``max.u16x2``), the codes' top, for ``pack_codes_checked`` (codes above 255 wrap in their byte); where it
-        goes unused (the first tile, the repair tiles, a repack) the max tree is dead code and compiles away.
+        (e = 0 low half, e = 1 high half), one PRMT per word. Returns, per row, the max of its converted words' halves
+        (``max.u16x2``; its codes' top is the larger half), for ``pack_codes_checked`` (codes above 255 wrap in their
+        byte, not in the halves); where they go unused (the first tile, the repair tiles, a repack) the max trees are
+        dead code and compile away.
         """
         codes = self.acc_s_half if half else self.acc_s
         p_words = cute.recast_tensor(frag_p, Uint32)
         k_blocks = cute.size(frag_p, mode=[2]) // (2 if half else 1)
-        tops = [None] * TOP_LANES
-        n = 0
+        tops = [[None] * TOP_CHAINS for _ in range(2)]
         for kb in cutlass.range_constexpr(k_blocks):
             for h in cutlass.range_constexpr(2):
                 for r in cutlass.range_constexpr(2):
@@ -263,34 +267,42 @@ class ExpCastSoftmax:
                     second = pack_codes_f16(codes[1 + 2 * r + 4 * (c + 1)], codes[2 * r + 4 * (c + 1)])
                     p_words[r + 2 * h + 4 * kb] = byte_perm(first, second, HALF_LOW_BYTES)
                     pair = max_u16x2(first, second)
-                    lane = n % TOP_LANES
-                    tops[lane] = pair if tops[lane] is None else max_u16x2(tops[lane], pair)
-                    n += 1
-        return max_u16x2(max_u16x2(tops[0], tops[1]), max_u16x2(tops[2], tops[3]))
+                    chain = tops[r]
+                    chain[h] = pair if chain[h] is None else max_u16x2(chain[h], pair)
+        return tuple(max_u16x2(chain[0], chain[1]) for chain in tops)
 
     @cute.jit
     def pack_codes_checked(self, frag_p: cute.Tensor, acc_pv: cute.Tensor):
         """``pack_codes`` of a real (whole) tile, encoded on the rows' anchors before the tile's max was known: a warp
         where some code passed TOP_CODE moves those rows' anchors (``move_anchor``) and packs again."""
-        top = self.pack_codes(frag_p, False)
-        if warp_any_half_above(top, TOP_CODE) != 0:
-            self.move_anchor(acc_pv)
+        tops = self.pack_codes(frag_p, False)
+        if warp_any_half_above(max_u16x2(tops[0], tops[1]), TOP_CODE) != 0:
+            self.move_anchor(acc_pv, tops)
             self.pack_codes(frag_p, False)
 
     @cute.jit
-    def move_anchor(self, acc_pv: cute.Tensor):
-        """A row whose top code ``rne(max(y) 2^24)`` passed TOP_CODE moves its anchor down by
-        ``shift = rne(max(y) 2^24 - 111.65)``, so that the top code is 111 or 112 (``expcast.code_shift``): its codes
-        by ``shift`` (FP32, exact for every code above 0), the wgmma's sum ``acc_pv`` and ``pending`` (O's at its next
-        promotion) by ``alpha = 2^(-shift / 8)``. The PV sum of the tiles before is already in ``acc_pv`` (or, at a
-        promotion, in O, with ``pending`` reset)."""
+    def move_anchor(self, acc_pv: cute.Tensor, tops: tuple[Uint32, Uint32]):
+        """A row whose top code passed TOP_CODE moves its anchor down by ``shift`` = that code less MOVE_CODE, so that
+        the top code becomes 112 (``expcast.code_shift``): its codes by ``shift`` (FP32, exact for every code above 0),
+        the wgmma's sum ``acc_pv`` and ``pending`` (O's at its next promotion) by ``alpha = 2^(-shift / 8)``. The PV
+        sum of the tiles before is already in ``acc_pv`` (or, at a promotion, in O, with ``pending`` reset).
+
+        The top code is the larger half of the row's packed maximum (``tops``, ``pack_codes``: this lane's 32 of the
+        row's codes), the max over the row's four lanes (shuffles: before any branch that could split the warp):
+        ``rne(max(y) 2^24)`` itself below EXACT_PACKED_CODES. Where any lane of the warp holds a code at or above it
+        (FP16 rounds those to fewer digits, or to inf), the whole warp takes the FP32 codes' max instead, rounded."""
         scores, anchor, pending = self.scores, self.anchor, self.pending
         tile = rows_view(acc_pv)
         unit = Float32(CODE_UNIT)
+        top = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
-            top = row_max(scores, r) * Float32(UNITS_PER_CODE)
-            if cute.math.roundeven(top) > Float32(TOP_CODE):
-                shift = cute.math.roundeven(top - Float32(self.move_bias))
+            top[r] = quad_max(larger_half(tops[r]))
+        if warp_any_half_above(max_u16x2(tops[0], tops[1]), EXACT_PACKED_CODES - 1) != 0:
+            for r in cutlass.range_constexpr(2):
+                top[r] = cute.math.roundeven(row_max(scores, r) * Float32(UNITS_PER_CODE))
+        for r in cutlass.range_constexpr(2):
+            if top[r] > Float32(TOP_CODE):
+                shift = top[r] - Float32(self.move_code)
                 anchor[r] = anchor[r] - shift
                 alpha = cute.math.exp2(-shift * LOG2_PER_CODE, fastmath=True)
                 pending[r] = pending[r] * alpha
