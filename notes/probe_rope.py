@@ -66,11 +66,12 @@ def probe_size(bench, size: str) -> dict:
     tokens = bench.tokens(model, bench.SIZES[size])
     attn = model.blocks[0].attn1
     x = torch.randn(1, tokens, attn.inner_dim, device="cuda", dtype=torch.bfloat16)
-    q, k = (torch.randn(1, tokens, config["num_attention_heads"], 128, device="cuda", dtype=torch.bfloat16) for _ in "qk")
+    heads = config["num_attention_heads"]
+    q, k = (torch.randn(1, tokens, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in "qk")
     with torch.no_grad():
         cos, sin = model.rope(noise)
         fused_q, fused_k = rotate_qk(q, k, cos, sin)
-        same = torch.equal(fused_q, rotary_reference(q, cos, sin)) and torch.equal(fused_k, rotary_reference(k, cos, sin))
+        same = all(torch.equal(out, rotary_reference(x, cos, sin)) for out, x in ((fused_q, q), (fused_k, k)))
         calls = {
             "attn1, backend's rotary": lambda: attn(x, rotary_emb=(cos, sin)),
             "attn1, diffusers' rotary": with_diffusers_rotary(lambda: attn(x, rotary_emb=(cos, sin))),
@@ -85,7 +86,8 @@ def probe_size(bench, size: str) -> dict:
         for _ in range(ROUNDS):
             for name, call in calls.items():
                 times[name].append(timed_ms(call))
-    return {"size": size, "tokens": tokens, "bit-identical": same, **{n: statistics.median(t) for n, t in times.items()}}
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    return {"size": size, "tokens": tokens, "bit-identical": same, **medians}
 
 
 def main(argv: list[str]) -> None:

@@ -25,12 +25,16 @@ needs_hopper = pytest.mark.skipif(
 )
 
 
-def _tables(seq_len: int, head_dim: int = 128, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Random angles' (1, S, 1, D) FP32 tables, each pair's two entries equal, as diffusers' repeat_interleave
-    writes them."""
-    angles = torch.rand(seq_len, head_dim // 2, dtype=torch.float64, device=device) * 100
-    cos, sin = (f(angles).repeat_interleave(2, dim=-1).float().view(1, seq_len, 1, head_dim) for f in (torch.cos, torch.sin))
-    return cos, sin
+def _angles(seq_len: int, device="cpu") -> torch.Tensor:
+    """Random float64 angles, one per token and channel pair: (S, 64)."""
+    return torch.rand(seq_len, 64, dtype=torch.float64, device=device) * 100
+
+
+def _tables(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (1, S, 1, 128) FP32 cos and sin tables of ``angles``, each pair's two entries equal, as diffusers'
+    repeat_interleave writes them."""
+    shape = (1, angles.shape[0], 1, 128)
+    return tuple(f(angles).repeat_interleave(2, dim=-1).float().view(shape) for f in (torch.cos, torch.sin))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -54,7 +58,7 @@ def test_processor_output_is_the_same_with_the_backend_rotating(fresh_seed, one_
 
 
 def test_the_backend_rotates_only_self_attention_in_eager_inference(monkeypatch):
-    tables = _tables(4)
+    tables = _tables(_angles(4))
     with torch.no_grad():
         assert wan.backend_rotates(tables, is_cross=False)
         assert not wan.backend_rotates(tables, is_cross=True)
@@ -72,8 +76,8 @@ def test_reference_rotates_each_pair(fresh_seed, dtype):
     to the input dtype's rounding."""
     seq_len, heads = 37, 3
     x = torch.randn(2, seq_len, heads, 128).to(dtype)
-    angles = torch.rand(seq_len, 64, dtype=torch.float64) * 100
-    cos, sin = (f(angles).repeat_interleave(2, dim=-1).float().view(1, seq_len, 1, 128) for f in (torch.cos, torch.sin))
+    angles = _angles(seq_len)
+    cos, sin = _tables(angles)
     pairs = torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous())
     turned = pairs * torch.polar(torch.ones_like(angles), angles).view(1, seq_len, 1, 64)
     expected = torch.view_as_real(turned).flatten(-2)
@@ -85,7 +89,7 @@ def test_reference_rotates_each_pair(fresh_seed, dtype):
 
 def test_rotate_qk_falls_back_to_the_reference_off_hopper(fresh_seed):
     q, k = torch.randn(2, 1, 10, 2, 128, dtype=torch.bfloat16)
-    cos, sin = _tables(10)
+    cos, sin = _tables(_angles(10))
     assert kernel_rotary_reason(q, k, cos, sin) is not None
     out_q, out_k = rotate_qk(q, k, cos, sin)
     assert torch.equal(out_q, rotary_reference(q, cos, sin)) and torch.equal(out_k, rotary_reference(k, cos, sin))
@@ -94,7 +98,7 @@ def test_rotate_qk_falls_back_to_the_reference_off_hopper(fresh_seed):
 def test_kernel_rotary_reason_names_what_the_kernel_cannot_take(monkeypatch):
     monkeypatch.setattr(rotary, "kernel_unavailable_reason", lambda *args: None)
     q = torch.zeros(1, 10, 2, 128, dtype=torch.bfloat16)
-    cos, sin = _tables(10)
+    cos, sin = _tables(_angles(10))
     assert kernel_rotary_reason(q, q, cos, sin) is None
     assert kernel_rotary_reason(q[0], q[0], cos, sin) == "q has 3 dims, not (B, S, H, D)"
     assert kernel_rotary_reason(q, q.half(), cos, sin).startswith("k is (1, 10, 2, 128) torch.float16 on cpu")
@@ -157,7 +161,7 @@ def test_kernel_writes_the_references_bits(fresh_seed, dtype, batch, seq_len, he
     interleaved in a larger tensor), the tables a view into a longer sequence's (as context parallelism splits them)."""
     both = torch.randn(batch, seq_len, 2, heads, 128, device="cuda").to(dtype)
     q, k = both[:, :, 0], both[:, :, 1]
-    cos, sin = (t[:, 5 : 5 + seq_len] for t in _tables(seq_len + 9, device="cuda"))
+    cos, sin = (t[:, 5 : 5 + seq_len] for t in _tables(_angles(seq_len + 9, device="cuda")))
     outs = [torch.full_like(q, float("nan")).contiguous() for _ in range(2)]
     rotary.load_rotary(dtype)(q, k, cos[0, :, 0], sin[0, :, 0], *outs)
     assert torch.equal(outs[0], rotary_reference(q, cos, sin))
