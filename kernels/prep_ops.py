@@ -58,7 +58,7 @@ def select_kind(seq_len: int) -> str:
     return "select_repair_tokens_resident" if seq_len <= RESIDENT_MAX_TOKENS else "select_repair_tokens"
 
 
-def _input_fake(dtype: type[cutlass.Numeric]):
+def input_fake(dtype: type[cutlass.Numeric]):
     """(B, S, H, 128) with any 16-byte-multiple strides and a contiguous head dim."""
     shape = (cute.sym_int(), cute.sym_int(), cute.sym_int(), HEAD_DIM)
     stride = (*(cute.sym_int64(divisibility=INPUT_ALIGN // (dtype.width // 8)) for _ in range(3)), 1)
@@ -105,7 +105,7 @@ def compile_prep(kind: str, dtype: torch.dtype | None = None):
         tokens = row_major_fake(Int64, (b, h, cute.sym_int()), 8)
         select = SelectRepairTokens(resident=kind == "select_repair_tokens_resident")
         return cute.compile(select, score, tokens, stream, options=COMPILE_OPTIONS)
-    x = _input_fake(TORCH_TO_CUTLASS[dtype])
+    x = input_fake(TORCH_TO_CUTLASS[dtype])
     if kind == "channel_sums_per_block":
         args = (ChannelSumsPerBlock(), x, row_major_fake(Float32, (b, h, cute.sym_int(), HEAD_DIM), 16))
     elif kind.startswith("quantize"):
@@ -116,7 +116,7 @@ def compile_prep(kind: str, dtype: torch.dtype | None = None):
         args = (AbsmaxPerHead(), x, per_head)
     elif kind == "absmax_and_channel_sums":
         sums = row_major_fake(Float32, (b, h, cute.sym_int(), HEAD_DIM), 16)
-        args = (AbsmaxAndChannelSums(), x, _input_fake(TORCH_TO_CUTLASS[dtype]), per_head, sums)
+        args = (AbsmaxAndChannelSums(), x, input_fake(TORCH_TO_CUTLASS[dtype]), per_head, sums)
     elif kind == "repair_rows":
         s_all, n_k = cute.sym_int(divisibility=REPAIR_ROOM_ALIGN), cute.sym_int()
         repair_keys = cute.sym_int(divisibility=REPAIR_ROOM_ALIGN)
@@ -133,7 +133,7 @@ def compile_prep(kind: str, dtype: torch.dtype | None = None):
 
 
 
-def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
+def kernel_ready(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself when the kernels can read it in place (contiguous head dim, 16-byte strides and base);
     otherwise one contiguous copy. Where a stride is not a multiple of 8 elements (which the compiled kernels
     check), size-1 dims get stride 0: torch reports any stride there (and calls such a tensor contiguous)."""
@@ -193,7 +193,7 @@ def prepare_into(
     host, so a call can be captured in a CUDA graph.
     """
     kernels = load_kernels(q.dtype, smooth_k=smooth_k, energy=residual_energy is not None)
-    ready_q, ready_k, ready_v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    ready_q, ready_k, ready_v = kernel_ready(q), kernel_ready(k), kernel_ready(v)
     k_for_sums = ready_k if smooth_k and k_mean is None else None
     amax_v, k_sums = _launch_absmax(kernels, ready_v, k_for_sums, v_absmax)
     _launch_pack(kernels, ready_v, amax_v, out, residual_energy)
@@ -205,7 +205,7 @@ def prepare_into(
 def channel_mean(k: torch.Tensor) -> torch.Tensor:
     """``quant.channel_mean`` of ``(B, S, H, 128)`` fp16/bf16 k, bit for bit, in two launches
     (``sm90.prep.ChannelSumsPerBlock``, ``ChannelMean``) on the current stream: ``(B, H, 128)`` FP32."""
-    k = _kernel_ready(k)
+    k = kernel_ready(k)
     sums = _empty_block_sums(k)
     load_prep("channel_sums_per_block", k.dtype)(k, sums)
     return _mean_of_block_sums(sums, k.shape[1])
@@ -246,8 +246,8 @@ class PrepKernels(NamedTuple):
 
 
 def _launch_absmax(kernels: PrepKernels, v, k_for_sums, v_absmax) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """V's absmax (B, H), unless ``v_absmax`` is given, from ``load_kernels``' ``kernels`` on ``_kernel_ready`` v:
-    ``(amax_v, sums)``. With ``k_for_sums`` (``_kernel_ready`` k, whose channel mean is still to be reduced) and V's
+    """V's absmax (B, H), unless ``v_absmax`` is given, from ``load_kernels``' ``kernels`` on ``kernel_ready`` v:
+    ``(amax_v, sums)``. With ``k_for_sums`` (``kernel_ready`` k, whose channel mean is still to be reduced) and V's
     absmax to take, K's block sums come from the same launch (``sm90.prep.AbsmaxAndChannelSums``); else ``sums`` is
     None (``smoothing_mean`` then reduces k itself)."""
     if v_absmax is not None:
@@ -314,7 +314,7 @@ def prepare(
     seq_k = k.shape[1]
     count = repair_count(seq_k, options.repair_ratio)
     kernels = load_kernels(q.dtype, smooth_k=options.smooth_k, energy=count > 0)
-    ready_q, ready_k, ready_v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    ready_q, ready_k, ready_v = kernel_ready(q), kernel_ready(k), kernel_ready(v)
     k_for_sums = ready_k if options.smooth_k and k_mean is None else None
     # V's absmax first: the GPU reads V (and K) while the host makes the buffers.
     amax_v, k_sums = _launch_absmax(kernels, ready_v, k_for_sums, v_absmax)

@@ -25,7 +25,7 @@ REPEATS = 5
 STEPS = {
     ops: ("_check_kernel_args", "_prepare_checked", "attention_prepared", "forward_args", "_split_workspace"),
     prep_ops: (
-        "load_kernels", "_kernel_ready", "_launch_absmax", "empty_prepared", "_launch_pack", "repair_score",
+        "load_kernels", "kernel_ready", "_launch_absmax", "empty_prepared", "_launch_pack", "repair_score",
         "smoothing_mean", "_launch_qk", "load_prep",
     ),
 }

@@ -29,6 +29,8 @@ from diffusers.models.attention_dispatch import (
 )
 from packaging.version import Version
 
+from openvc_kernels.rotary import rotate_qk
+
 from .attention import OPENVC_BACKENDS, run, run_openvc, warn_once
 from .config import OPENVC, SDPA, OpenVCConfig, format_indices, load_config
 from .parallel import sharded_attention
@@ -106,11 +108,13 @@ class Route:
 
 
 class _InFlight:
-    """The route of the call in flight, set by a processor around its stock processor's call."""
+    """The route of the call in flight, set by a processor around its stock processor's call, and the rotary tables
+    that the backend applies to its query and key (``rotate_qk``) where the processor took them from the stock code."""
 
     def __init__(self):
-        # An instance attribute from the start: torch.compile guards on where the attribute lives.
+        # Instance attributes from the start: torch.compile guards on where an attribute lives.
         self.route: Route | None = None
+        self.rotary: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 IN_FLIGHT = _InFlight()
@@ -143,6 +147,8 @@ def openvc_attention(
     _parallel_config=None,
 ) -> torch.Tensor:
     """The registered backend: ``(B, S, H, D)`` in and out, as diffusers' backends take them."""
+    if IN_FLIGHT.rotary is not None:
+        query, key = rotate_qk(query, key, *IN_FLIGHT.rotary)
     default_scale = scale is None or scale == query.shape[-1] ** -0.5
     if dropout_p or is_causal or not default_scale:
         warn_once(

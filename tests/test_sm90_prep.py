@@ -313,15 +313,15 @@ def test_kernel_ready_reads_in_place_where_the_kernels_can():
     heads = 3
     qkv = torch.randn(2, 40, 3, heads, 128, dtype=torch.bfloat16)
     k = qkv[:, :, 1]
-    ready = prep_ops._kernel_ready(k)
+    ready = prep_ops.kernel_ready(k)
     assert ready.data_ptr() == k.data_ptr() and ready.stride() == k.stride()
     one = torch.randn(1, 40, heads, 128, dtype=torch.bfloat16)
     odd = one.as_strided(one.shape, (5, heads * 128, 128, 1))
-    ready = prep_ops._kernel_ready(odd)
+    ready = prep_ops.kernel_ready(odd)
     assert ready.data_ptr() == odd.data_ptr() and ready.stride() == (0, heads * 128, 128, 1)
     assert torch.equal(ready, one)
     spread = torch.randn(2, 40, heads, 256, dtype=torch.bfloat16)[..., ::2]
-    ready = prep_ops._kernel_ready(spread)
+    ready = prep_ops.kernel_ready(spread)
     assert ready.data_ptr() != spread.data_ptr() and ready.is_contiguous() and torch.equal(ready, spread)
 
 
@@ -487,7 +487,7 @@ def test_prepare_strided_inputs(seed):
     batch, seq_q, seq_k, heads = 2, 300, 1000, 12
     q = torch.randn(batch, heads, seq_q, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     k, v = torch.randn(batch, seq_k, 3, heads, 128, device="cuda", dtype=torch.bfloat16).unbind(2)[1:]
-    assert all(prep_ops._kernel_ready(x).data_ptr() == x.data_ptr() for x in (q, k, v))  # no copy
+    assert all(prep_ops.kernel_ready(x).data_ptr() == x.data_ptr() for x in (q, k, v))  # no copy
     out = prep_ops.prepare_into(q, k, v, _poisoned(batch, seq_q, seq_k, heads, "cuda"))
     _assert_identical(out, _reference(q, k, v), f"seed {seed}")
 
@@ -549,14 +549,14 @@ def test_channel_mean_matches_reference(seed, dtype, layout, seq_len):
     }[layout]
     sums = torch.full((batch, heads, num_blocks(seq_len), 128), math.nan, device="cuda")
     mean = torch.full((batch, heads, 128), math.nan, device="cuda")
-    prep_ops.load_prep("channel_sums_per_block", dtype)(prep_ops._kernel_ready(k), sums)
+    prep_ops.load_prep("channel_sums_per_block", dtype)(prep_ops.kernel_ready(k), sums)
     prep_ops.load_prep("channel_mean")(sums, mean, mean_tokens(seq_len))
     expected_sums = channel_block_sums(k)
     assert torch.equal(sums, expected_sums), f"{layout}, seed {seed}"
     assert torch.equal(mean, channel_mean(k)), f"{layout}, seed {seed}"
     assert torch.equal(prep_ops.channel_mean(k), mean)
     v = qkv[:, :, 2] * torch.rand(heads, 1, device="cuda").to(dtype)  # a scale of its own per head
-    ready_k, ready_v = prep_ops._kernel_ready(k), prep_ops._kernel_ready(v)
+    ready_k, ready_v = prep_ops.kernel_ready(k), prep_ops.kernel_ready(v)
     both_sums = torch.full_like(sums, math.nan)
     amax, both_amax = (torch.zeros(batch, heads, device="cuda") for _ in range(2))
     prep_ops.load_prep("absmax_per_head", dtype)(ready_v, amax)

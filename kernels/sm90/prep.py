@@ -65,7 +65,7 @@ PERMUTATION_STRIDE = ((1, 8, 2, 16), CHUNK)
 p = b0 + 2 b1 + 4 lane + 16 half + 32 chunk holds key b0 + 8 b1 + 2 lane + 16 half + 32 chunk."""
 
 
-def _token_major_copy(dtype: type[cutlass.Numeric]) -> cute.TiledCopy:
+def token_major_copy(dtype: type[cutlass.Numeric]) -> cute.TiledCopy:
     """A (tokens, channels) tile split over 256 threads: thread t takes token t // 8, channels 16 (t % 8) + (0..15).
 
     thr (32, 8):(8, 1) so eight neighbouring threads read one token's 256 contiguous bytes; val (1, 16).
@@ -93,15 +93,15 @@ def _scaled(stride, factor: int):
 
 
 @cute.jit
-def _block_coords(mX: cute.Tensor, n: Int32, tidx: Int32) -> cute.Tensor:
+def block_coords(mX: cute.Tensor, n: Int32, tidx: Int32) -> cute.Tensor:
     """The (token, channel) coordinates of this thread's 64 values of block n of ``mX`` (B, S, H, 128), in the
-    order ``_load_block`` holds them."""
+    order ``load_block`` holds them."""
     cX = cute.local_tile(cute.make_identity_tensor((mX.shape[1], HEAD_DIM)), (BLOCK, HEAD_DIM), (n, 0))
-    return _token_major_copy(mX.element_type).get_slice(tidx).partition_S(cX)
+    return token_major_copy(mX.element_type).get_slice(tidx).partition_S(cX)
 
 
 @cute.jit
-def _load_block(
+def load_block(
     mX: cute.Tensor, b: Int32, h: Int32, n: Int32, tidx: Int32, token_stride: cutlass.Constexpr[int] = 1
 ) -> cute.Tensor:
     """This thread's 64 values of block n of ``mX`` (B, S, H, 128) at (b, h): of every ``token_stride``-th token
@@ -110,11 +110,11 @@ def _load_block(
     Returns the register fragment ((16), 4 passes, 1).
     """
     seq_len = mX.shape[1]
-    tiled_copy = _token_major_copy(mX.element_type)
+    tiled_copy = token_major_copy(mX.element_type)
     thr_copy = tiled_copy.get_slice(tidx)
     gX = cute.local_tile(mX[b, None, h, None], (BLOCK, HEAD_DIM), (n, 0))
     tXgX = thr_copy.partition_S(gX)
-    tXcX = _block_coords(mX, n, tidx)
+    tXcX = block_coords(mX, n, tidx)
     tXrX = cute.make_rmem_tensor_like(tXgX)
     tXrX.fill(0)
     for p in cutlass.range_constexpr(cute.size(tXgX, mode=[1])):
@@ -234,10 +234,10 @@ class QuantizePerBlock:
         smem = cutlass.memory.SmemAllocator()
         reduction_buffer = smem.allocate_tensor(Float32, cute.make_layout(WARPS))
 
-        tXrX = _load_block(mX, b, h, n, tidx)
+        tXrX = load_block(mX, b, h, n, tidx)
         x = tXrX.load().to(Float32)
         if cutlass.const_expr(mMean is not None):
-            x = _minus_channel_mean(x, mMean[b, h, None], _block_coords(mX, n, tidx), mX.shape[1])
+            x = _minus_channel_mean(x, mMean[b, h, None], block_coords(mX, n, tidx), mX.shape[1])
         a = _block_absmax(x, reduction_buffer)
         scale, descale = _scale_and_descale(a)
 
@@ -245,7 +245,7 @@ class QuantizePerBlock:
         gX8 = cute.local_tile(
             cute.recast_tensor(mX8[b, h, None, None], cutlass.Float8E4M3FN), (BLOCK, HEAD_DIM), (n, 0)
         )
-        tiled_copy = _token_major_copy(cutlass.Float8E4M3FN)
+        tiled_copy = token_major_copy(cutlass.Float8E4M3FN)
         tXgX8 = tiled_copy.get_slice(tidx).partition_D(gX8)
         tXrX8 = cute.make_rmem_tensor_like(tXgX8)
         tXrX8.store(_to_e4m3(x, scale))
@@ -256,8 +256,8 @@ class QuantizePerBlock:
 
 @cute.jit
 def _store_channel_sums(values: cute.Tensor, coords: cute.Tensor, sums_row: cute.Tensor, warp_sums: cute.Tensor):
-    """``ChannelSumsPerBlock``'s sums of this thread's block fragment ``values`` (FP32, as ``_load_block`` holds
-    it; ``coords`` from ``_block_coords``) into ``sums_row`` (128,) fp32. ``warp_sums``: smem (WARPS, 128) fp32."""
+    """``ChannelSumsPerBlock``'s sums of this thread's block fragment ``values`` (FP32, as ``load_block`` holds
+    it; ``coords`` from ``block_coords``) into ``sums_row`` (128,) fp32. ``warp_sums``: smem (WARPS, 128) fp32."""
     tidx, _, _ = cute.arch.thread_idx()
     channels, passes = cute.size(values, mode=[0]), cute.size(values, mode=[1])
     sums = cute.make_rmem_tensor(channels, Float32)
@@ -318,9 +318,9 @@ class ChannelSumsPerBlock:
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         warp_sums = _allocate_warp_sums(cutlass.memory.SmemAllocator())
-        coords = _block_coords(mK, n, tidx)
+        coords = block_coords(mK, n, tidx)
         values = cute.make_rmem_tensor(coords.shape, Float32)
-        values.store(_load_block(mK, b, h, n, tidx, MEAN_TOKEN_STRIDE).load().to(Float32))
+        values.store(load_block(mK, b, h, n, tidx, MEAN_TOKEN_STRIDE).load().to(Float32))
         _store_channel_sums(values, coords, mSums[b, h, n, None], warp_sums)
 
 
@@ -379,7 +379,7 @@ class AbsmaxPerHead:
         n, h, b = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
         reduction_buffer = smem.allocate_tensor(Float32, cute.make_layout(WARPS))
-        x = _load_block(mV, b, h, n, tidx).load().to(Float32)
+        x = load_block(mV, b, h, n, tidx).load().to(Float32)
         _merge_absmax(x, mAmax, b, h, reduction_buffer)
 
 
@@ -404,10 +404,10 @@ class AbsmaxAndChannelSums:
         smem = cutlass.memory.SmemAllocator()
         reduction_buffer = smem.allocate_tensor(Float32, cute.make_layout(WARPS))
         warp_sums = _allocate_warp_sums(smem)
-        v_block = _load_block(mV, b, h, n, tidx)
-        k_block = _load_block(mK, b, h, n, tidx, MEAN_TOKEN_STRIDE)
+        v_block = load_block(mV, b, h, n, tidx)
+        k_block = load_block(mK, b, h, n, tidx, MEAN_TOKEN_STRIDE)
         _merge_absmax(v_block.load().to(Float32), mAmax, b, h, reduction_buffer)
-        coords = _block_coords(mK, n, tidx)
+        coords = block_coords(mK, n, tidx)
         values = cute.make_rmem_tensor(coords.shape, Float32)
         values.store(k_block.load().to(Float32))
         _store_channel_sums(values, coords, mSums[b, h, n, None], warp_sums)
@@ -459,15 +459,15 @@ class PackV:
             cutlass.Float8E4M3FN, cute.make_layout((BLOCK, HEAD_DIM), stride=(HEAD_DIM, 1)), byte_alignment=16
         )
 
-        x = _load_block(mV, b, h, n, tidx).load().to(Float32)
+        x = load_block(mV, b, h, n, tidx).load().to(Float32)
         scale, descale = _scale_and_descale(mAmax[b, h])
-        tiled_copy = _token_major_copy(cutlass.Float8E4M3FN)
+        tiled_copy = token_major_copy(cutlass.Float8E4M3FN)
         tVsV8 = tiled_copy.get_slice(tidx).partition_D(sV8)
         tVrV8 = cute.make_rmem_tensor_like(tVsV8)
         tVrV8.store(_to_e4m3(x, scale))
         cute.copy(tiled_copy, tVrV8, tVsV8)
         if cutlass.const_expr(mEnergy is not None):
-            _store_residual_energy(x, tVrV8.load(), descale, _block_coords(mV, n, tidx), mEnergy[b, h, None])
+            _store_residual_energy(x, tVrV8.load(), descale, block_coords(mV, n, tidx), mEnergy[b, h, None])
         cute.arch.barrier()
 
         # Packed tile (channel 128, position 128) -> sV8[perm(position), channel]:

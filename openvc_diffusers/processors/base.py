@@ -127,14 +127,23 @@ class OpenVCProcessorBase:
         """The number of ``attn``'s self-attention layer."""
         return self.route(attn, is_cross=False).index
 
-    def _routed(self, attn: torch.nn.Module, is_cross: bool, stock_call, *args) -> torch.Tensor:
+    def _routed(
+        self,
+        attn: torch.nn.Module,
+        is_cross: bool,
+        stock_call,
+        *args,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """``stock_call(self, attn, *args)`` (a stock processor's ``__call__``, which dispatches to the "openvc"
-        backend) with ``attn``'s route in flight, so that the backend calls ``_attend`` with it."""
-        previous, IN_FLIGHT.route = IN_FLIGHT.route, self.route(attn, is_cross=is_cross)
+        backend) with ``attn``'s route in flight, so that the backend calls ``_attend`` with it; ``rotary``, the
+        (cos, sin) tables taken out of ``args``, for the backend to apply to the query and key it receives."""
+        previous = IN_FLIGHT.route, IN_FLIGHT.rotary
+        IN_FLIGHT.route, IN_FLIGHT.rotary = self.route(attn, is_cross=is_cross), rotary
         try:
             return stock_call(self, attn, *args)
         finally:
-            IN_FLIGHT.route = previous
+            IN_FLIGHT.route, IN_FLIGHT.rotary = previous
 
     def check_bf16_layers(self) -> None:
         """Once the layers are numbered, warn (once) about ``bf16_layers`` past the model's last layer: entries

@@ -12,7 +12,8 @@ class OpenVCProcessor(OpenVCProcessorBase, WanAttnProcessor):
 
     ``pipe.transformer.set_attn_processor(OpenVCProcessor(config))``: ``config`` is anything
     ``openvc_diffusers.load_config`` takes (None for the defaults, a dict, a YAML path, a config).
-    diffusers' own ``WanAttnProcessor`` with its attention calls routed through the "openvc" backend; it also stands
+    diffusers' own ``WanAttnProcessor`` with its attention calls routed through the "openvc" backend, which also
+    applies the rotary embedding in inference (``backend_rotates``, the same bits); it also stands
     in for SkyReels-V2's ``SkyReelsV2AttnProcessor``: same signature and computation (its ``_get_qkv_projections``
     tests ``cross_attention_dim_head``, which is Wan's ``is_cross_attention``).
     """
@@ -27,6 +28,27 @@ class OpenVCProcessor(OpenVCProcessorBase, WanAttnProcessor):
     ) -> torch.Tensor:
         # attn2 attends to the text (and, in I2V, the image): both its calls are cross-attention.
         is_cross = encoder_hidden_states is not None
+        rotary = rotary_emb if backend_rotates(rotary_emb, is_cross) else None
         return self._routed(
-            attn, is_cross, WanAttnProcessor.__call__, hidden_states, encoder_hidden_states, attention_mask, rotary_emb
+            attn,
+            is_cross,
+            WanAttnProcessor.__call__,
+            hidden_states,
+            encoder_hidden_states,
+            attention_mask,
+            None if rotary is not None else rotary_emb,
+            rotary=rotary,
         )
+
+
+def backend_rotates(rotary_emb: tuple[torch.Tensor, torch.Tensor] | None, is_cross: bool) -> bool:
+    """Whether the backend applies the rotary embedding to the self-attention's query and key
+    (``openvc_kernels.rotary.rotate_qk``: one launch on Hopper, diffusers' bits) instead of diffusers' code (ten
+    PyTorch kernels per tensor): eagerly and without autograd. With autograd, the kernel has no backward; compiled,
+    inductor fuses diffusers' code with the QK norms."""
+    return (
+        rotary_emb is not None
+        and not is_cross
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    )
