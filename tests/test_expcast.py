@@ -19,12 +19,17 @@ def exp_then_cast(z: torch.Tensor) -> torch.Tensor:
     return (torch.exp2(z.double()) * 256).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
+AGREEING_SHARE = 0.7961
+"""The share of z in [-14, 0] whose ExpCast code is exp-then-cast's (on an even grid of 20M points)."""
+
+
 def test_matches_exp_then_cast_on_the_normal_range(fresh_seed):
     # z in [-14, 0]: the probabilities 2^z * 256 span E4M3's normal codes 8..120.
     z = torch.rand(2_000_000) * -14.0
     codes, exact = expcast_encode(z), exp_then_cast(z)
     agree = (codes == exact).float().mean().item()
-    assert abs(agree - 0.796) <= 0.001, f"seed {fresh_seed}: {agree:.4f} of codes agree"
+    # 2M uniform draws spread the share by 0.00029 (one sigma): 5 sigma.
+    assert abs(agree - AGREEING_SHARE) <= 5 * 0.00029, f"seed {fresh_seed}: {agree:.4f} of codes agree"
     assert (codes.int() - exact.int()).abs().max().item() == 1
 
 

@@ -15,10 +15,11 @@ def test_the_kernels_folder_is_not_a_second_copy_of_the_package():
     """From the checkout's root, ``kernels`` is importable by that name: transformers imports it, taking it for the
     Hugging Face package (which it requires from 5.25 on). A second copy of our modules would register the custom op
     again, bound to a second compile cache (the GPU tests' patched cache went unseen that way): the name goes to
-    Hugging Face's package where it is installed, and none of our modules runs under it."""
+    Hugging Face's package where it is installed, and none of our modules runs under it. (Ours: files in the
+    checkout's ``kernels`` folder; a virtualenv inside the checkout holds Hugging Face's.)"""
     code = (
         "import importlib.metadata, sys, kernels, openvc_diffusers, openvc_kernels\n"
-        f"root = {str(ROOT) + os.sep!r}\n"
+        f"root = {str(ROOT / 'kernels') + os.sep!r}\n"
         "ours = sorted(name for name, module in list(sys.modules.items()) if name.split('.')[0] == 'kernels'\n"
         "              and (getattr(module, '__file__', None) or '').startswith(root))\n"
         "try:\n"
