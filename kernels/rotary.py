@@ -82,8 +82,8 @@ def compile_rotary(dtype: torch.dtype):
     from .sm90.target import COMPILE_OPTIONS
 
     def table():
-        stride = (cute.sym_int64(divisibility=TABLE_ALIGN // 4), 1)
-        return cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), HEAD_DIM), stride=stride, assumed_align=16)
+        shape, stride = (cute.sym_int(), HEAD_DIM), (cute.sym_int64(divisibility=TABLE_ALIGN // 4), 1)
+        return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=TABLE_ALIGN)
 
     x = [input_fake(TORCH_TO_CUTLASS[dtype]) for _ in range(4)]
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
