@@ -22,7 +22,9 @@ from diffusers.models.attention_processor import AttnProcessor2_0
 import openvc_diffusers
 from openvc_diffusers import policy
 from openvc_diffusers.apply import FAMILIES
+from openvc_diffusers.processors import hunyuan
 from openvc_diffusers.processors.hunyuan import valid_prefix_length
+from openvc_kernels.rotary import rotate_qk
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -199,6 +201,38 @@ def test_trimming_to_the_valid_prefix_is_exact(name, monkeypatch):
     ours = forward(model, inputs)
     assert processor.calls == {(SELF, OPENVC): 2}
     torch.testing.assert_close(ours, stock, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["hunyuan_video", "hunyuan_video15"])
+def test_hunyuan_rotary_in_one_launch_is_diffusers_bitwise(name, dtype, monkeypatch):
+    """In inference the HunyuanVideo processors rotate the video tokens' q and k with ``rotate_qk`` (its reference
+    on the CPU, one launch on Hopper): the SDPA-routed forward is diffusers' bit for bit, with every block on it."""
+    model, inputs = build(name, dtype=dtype)
+    stock = forward(model, inputs)
+    openvc_diffusers.apply(model, {"backends": ["sdpa"]})
+    rotated = []
+    monkeypatch.setattr(hunyuan, "rotate_qk", lambda *args: rotated.append(args[0].shape) or rotate_qk(*args))
+    assert torch.equal(forward(model, inputs), stock)
+    assert len(rotated) == 2, rotated  # two blocks in either tiny model
+
+
+def test_hunyuan_launch_takes_only_tables_with_equal_pairs():
+    """``launch_rotates``: autograd off, q in a dtype FP32 holds, FP32 (S, D) tables whose channel pairs hold equal
+    entries; an in-place change of a table is checked again."""
+    q = torch.randn(1, 6, 2, 128)
+    angles = torch.rand(6, 64) * 10
+    cos, sin = (f(angles).repeat_interleave(2, dim=-1) for f in (torch.cos, torch.sin))
+    assert not hunyuan.launch_rotates(q, cos, sin)  # autograd on
+    with torch.no_grad():
+        assert hunyuan.launch_rotates(q, cos, sin) and hunyuan.launch_rotates(q.bfloat16(), cos, sin)
+        assert not hunyuan.launch_rotates(q.double(), cos, sin)
+        assert not hunyuan.launch_rotates(q, cos.double(), sin)
+        assert not hunyuan.launch_rotates(q[:, :5], cos, sin)
+        sin[3, 7] += 1.0
+        assert not hunyuan.launch_rotates(q, cos, sin)
+        unpaired = torch.cos(torch.rand(6, 128))
+        assert not hunyuan.launch_rotates(q, unpaired, sin)
 
 
 def test_valid_prefix_length():

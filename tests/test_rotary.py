@@ -178,3 +178,28 @@ def test_rotate_qk_on_hopper_takes_wans_own_tables(fresh_seed):
     assert kernel_rotary_reason(q, k, cos, sin) is None
     out_q, out_k = rotate_qk(q, k, cos, sin)
     assert torch.equal(out_q, rotary_reference(q, cos, sin)) and torch.equal(out_k, rotary_reference(k, cos, sin))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("layout", ["whole", "video part of a joint sequence"])
+def test_hunyuan_video_rope_rotates_in_one_launch(fresh_seed, layout):
+    """The HunyuanVideo processors' rotation (``hunyuan.rotate_video_tokens``) on diffusers' HunyuanVideo RoPE for a
+    33 x 30 x 52 latent grid (51,480 tokens), through the launch (``launch_rotates``, the reason None): diffusers'
+    ``apply_rotary_emb`` bit for bit, also on the video tokens sliced from a joint [video, text] sequence."""
+    from diffusers.models.embeddings import apply_rotary_emb
+    from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoRotaryPosEmbed
+
+    from openvc_diffusers.processors import hunyuan
+
+    rope = HunyuanVideoRotaryPosEmbed(patch_size=2, patch_size_t=1, rope_dim=[16, 56, 56])
+    cos, sin = rope(torch.empty(1, 16, 33, 60, 104, device="cuda"))
+    text = 256 if layout != "whole" else 0
+    joint = torch.randn(2, 1, cos.shape[0] + text, 3, 128, device="cuda", dtype=torch.bfloat16)
+    q, k = (x[:, : cos.shape[0]] for x in joint)
+    with torch.no_grad():
+        assert hunyuan.launch_rotates(q, cos, sin)
+        assert kernel_rotary_reason(q, k, cos[None, :, None], sin[None, :, None]) is None
+        ours = hunyuan.rotate_video_tokens(q, k, (cos, sin))
+    for got, x in zip(ours, (q, k)):
+        assert torch.equal(got, apply_rotary_emb(x, (cos, sin), sequence_dim=1))

@@ -5,13 +5,69 @@ Both attend jointly over ``[video tokens, text tokens]`` (kind "self": it is the
 a mask that marks text padding. The models put the valid text first, so the valid keys are a prefix of the joint
 sequence; when that holds in every batch row, Open-VC runs on the sequence trimmed to that prefix, with no mask.
 The text-token refiner's attention (plain ``Attention`` with ``AttnProcessor2_0``) stays with diffusers.
+The video tokens' rotary embedding takes one launch in eager inference (``rotate_video_tokens``), diffusers' bits.
 """
+
+import weakref
 
 import torch
 import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
 
+from openvc_kernels.rotary import rotate_qk
+
 from .base import OpenVCProcessorBase, context_qkv, video_qkv
+
+EXACT_IN_FP32 = (torch.float16, torch.bfloat16, torch.float32)
+_paired_tables: tuple = ()
+"""The last (cos, sin) that ``_pairs_are_equal`` checked: weak references, their versions, the answer. Every block of
+a forward gets the same tables, so the check (which waits for the device) runs once per forward."""
+
+
+def rotate_video_tokens(
+    query: torch.Tensor, key: torch.Tensor, image_rotary_emb: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' ``apply_rotary_emb(x, image_rotary_emb, sequence_dim=1)`` of ``(B, S, H, D)`` query and key, bit
+    for bit. In eager inference one launch for both (``rotate_qk``) where the tables have the form HunyuanVideo's RoPE
+    gives them (``launch_rotates``); else diffusers' code, about ten PyTorch kernels per tensor."""
+    cos, sin = image_rotary_emb
+    if launch_rotates(query, cos, sin):
+        return rotate_qk(query, key, cos[None, :, None], sin[None, :, None])
+    return tuple(apply_rotary_emb(x, image_rotary_emb, sequence_dim=1) for x in (query, key))
+
+
+def launch_rotates(query: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether ``rotate_qk`` gives ``apply_rotary_emb``'s bits here, and runs outside autograd and compiled code:
+    q in a dtype FP32 holds exactly (``apply_rotary_emb`` computes in FP32: it rounds float64), FP32 ``(S, D)``
+    tables on q's device with equal entries in each channel pair (``get_1d_rotary_pos_embed``'s
+    ``repeat_interleave_real``). ``apply_rotary_emb`` computes pair i as ``x1 cos[2i] + (-x2) sin[2i]`` and
+    ``x2 cos[2i+1] + x1 sin[2i+1]``, ``rotate_qk`` as ``x1 cos[2i] - x2 sin[2i+1]`` and ``x1 sin[2i+1] + x2 cos[2i]``,
+    each product and sum rounded to FP32: the same numbers where the pair's entries are equal (negation is exact and
+    addition commutes). With autograd the launch has no backward; compiled, inductor fuses diffusers' code."""
+    table = (query.shape[1], query.shape[-1])
+    return (
+        not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and query.dtype in EXACT_IN_FP32
+        and all(t.shape == table and t.dtype == torch.float32 and t.device == query.device for t in (cos, sin))
+        and _pairs_are_equal(cos, sin)
+    )
+
+
+def _pairs_are_equal(cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether both tables hold equal entries in channels 2 i and 2 i + 1, remembered for the last pair checked.
+    While a CUDA graph is captured an unchecked pair counts as unequal (the check would wait for the device)."""
+    global _paired_tables
+    versions = cos._version, sin._version
+    if _paired_tables:
+        cos_checked, sin_checked, versions_checked, equal = _paired_tables
+        if cos_checked() is cos and sin_checked() is sin and versions_checked == versions:
+            return equal
+    if cos.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    equal = all(torch.equal(t[:, 0::2], t[:, 1::2]) for t in (cos, sin))
+    _paired_tables = (weakref.ref(cos), weakref.ref(sin), versions, equal)
+    return equal
 
 
 def valid_prefix_length(mask: torch.Tensor) -> int | None:
@@ -59,23 +115,13 @@ class HunyuanVideoOpenVCProcessor(OpenVCProcessorBase):
         # 3. Rotational positional embeddings applied to latent stream
         if image_rotary_emb is not None:
             if attn.add_q_proj is None and encoder_hidden_states is not None:
-                query = torch.cat(
-                    [
-                        apply_rotary_emb(query[:, : -encoder_hidden_states.shape[1]], image_rotary_emb, sequence_dim=1),
-                        query[:, -encoder_hidden_states.shape[1] :],
-                    ],
-                    dim=1,
-                )
-                key = torch.cat(
-                    [
-                        apply_rotary_emb(key[:, : -encoder_hidden_states.shape[1]], image_rotary_emb, sequence_dim=1),
-                        key[:, -encoder_hidden_states.shape[1] :],
-                    ],
-                    dim=1,
-                )
+                video = slice(None, -encoder_hidden_states.shape[1])
+                text = slice(-encoder_hidden_states.shape[1], None)
+                video_query, video_key = rotate_video_tokens(query[:, video], key[:, video], image_rotary_emb)
+                query = torch.cat([video_query, query[:, text]], dim=1)
+                key = torch.cat([video_key, key[:, text]], dim=1)
             else:
-                query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-                key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+                query, key = rotate_video_tokens(query, key, image_rotary_emb)
 
         # 4. Encoder condition QKV projection and normalization
         if attn.add_q_proj is not None and encoder_hidden_states is not None:
@@ -113,8 +159,7 @@ class HunyuanVideo15OpenVCProcessor(OpenVCProcessorBase):
 
         # 3. Rotational positional embeddings applied to latent stream
         if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+            query, key = rotate_video_tokens(query, key, image_rotary_emb)
 
         # 4. Encoder condition QKV projection and normalization
         if encoder_hidden_states is not None:
