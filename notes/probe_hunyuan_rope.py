@@ -1,12 +1,15 @@
-"""Device probe: HunyuanVideo's rotary embedding in the Open-VC processors (``hunyuan.rotate_video_tokens``: one
-launch) against diffusers' ``apply_rotary_emb`` on Q and K, at HunyuanVideo's 720p x 129 frames (a 33 x 90 x 160
-latent, patch 2: 118,800 video tokens, 24 heads of 128, bf16) and 544p x 129 (33 x 68 x 120: 67,320), the tables
-from diffusers' own ``HunyuanVideoRotaryPosEmbed``. Calls interleaved, CUDA events around each, medians over
-ROUNDS; per layer, then per step (HunyuanVideo has 20 dual- and 40 single-stream blocks). Checks the bits. Run on a
-GPU from the repository root: ``python notes/probe_hunyuan_rope.py``.
+"""Device probe: HunyuanVideo's rotary embedding in the Open-VC processors (``hunyuan.rotate_video_tokens``: one launch)
+against diffusers' ``apply_rotary_emb`` on Q and K, at HunyuanVideo's 720p x 129 frames (a 33 x 90 x 160 latent,
+patch 2: 118,800 video tokens, 24 heads of 128, bf16) and 544p x 129 (33 x 68 x 120: 67,320), the tables from
+diffusers' own ``HunyuanVideoRotaryPosEmbed``. Calls interleaved, each timed alone by CUDA events
+(``bench_attention.time_interleaved``, synchronized), medians; per layer, then per step (HunyuanVideo has 20 dual-
+and 40 single-stream blocks). Checks the bits. Run on a GPU from the repository root: ``python
+notes/probe_hunyuan_rope.py``.
 """
 
+import os
 import statistics
+import sys
 
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
@@ -15,17 +18,13 @@ from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideo
 from openvc_diffusers.gpu_state import clocks
 from openvc_diffusers.processors.hunyuan import launch_rotates, rotate_video_tokens
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from bench_attention import time_interleaved  # noqa: E402
+
 LATENTS = {"720p": (33, 90, 160), "544p": (33, 68, 120)}
-HEADS, LAYERS, ROUNDS = 24, 60, 20
-
-
-def timed_ms(call) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    call()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+HEADS, LAYERS = 24, 60
+BUDGET_MS = 1500
+"""Of calls per size, all three interleaved: about 30 rounds at 720p."""
 
 
 def probe(size: str) -> dict:
@@ -41,12 +40,9 @@ def probe(size: str) -> dict:
         launched = launch_rotates(q, *tables)
         ours, theirs = calls["rotate_video_tokens"](), calls["diffusers' apply_rotary_emb"]()
         same = all(torch.equal(a, b) for a, b in zip(ours, theirs))
-        times = {name: [] for name in calls}
-        for _ in range(ROUNDS):
-            for name, call in calls.items():
-                times[name].append(timed_ms(call))
+        times = time_interleaved(list(calls.values()), [()], "synced", BUDGET_MS)
     return {"size": size, "tokens": q.shape[1], "launch": launched, "same": same,
-            **{name: statistics.median(t) for name, t in times.items()}}  # fmt: skip
+            **{name: statistics.median(t) for name, t in zip(calls, times)}}  # fmt: skip
 
 
 def main() -> None:

@@ -1,17 +1,19 @@
-"""Device probe: what the rotary embedding costs in an eager Wan step, in diffusers' code and in Open-VC's launch
-(the rest of the step is the same for every attention backend, so this is time no attention kernel wins back).
+"""Device probe: what the rotary embedding costs in an eager Wan step, in diffusers' code and in Open-VC's launch (the
+rest of the step is the same for every attention backend, so this is time no attention kernel wins back).
 
 One Wan2.1-1.3B-shaped self-attention module (``WanAttention``, random weights, bf16) with Open-VC's processor, at
-each size of ``examples/bench_pipeline.py``, its forward timed three ways, interleaved call by call, CUDA events
-around each, medians: with the rotary embedding applied by the backend (``openvc_kernels.rotary.rotate_qk``, what
-the processor does in inference), by diffusers' ``WanAttnProcessor`` code (``wan.backend_rotates`` patched to False),
-and without it; the tables from the model's own ``rope``, as ``WanTransformer3DModel.forward`` passes them. Beside
-them ``rotate_qk`` alone, the reference (diffusers' arithmetic) on Q and K alone, and the floor of any one-pass
-kernel: a copy of Q and K (the same bytes read and written once). Per layer, then per step (30 layers). Run on a GPU
-from the repository root: ``python notes/probe_rope.py [480p,720p]``.
+each size of ``examples/bench_pipeline.py``, its forward timed three ways, interleaved call by call, each alone
+between CUDA events (``bench_attention.time_interleaved``, synchronized), medians: with the rotary embedding applied
+by the backend (``openvc_kernels.rotary.rotate_qk``, what the processor does in inference), by diffusers'
+``WanAttnProcessor`` code (``wan.backend_rotates`` patched to False), and without it; the tables from the model's own
+``rope``, as ``WanTransformer3DModel.forward`` passes them. Beside them ``rotate_qk`` alone, the reference
+(diffusers' arithmetic) on Q and K alone, and the floor of any one-pass kernel: a copy of Q and K (the same bytes
+read and written once). Per layer, then per step (30 layers). Run on a GPU from the repository root: ``python
+notes/probe_rope.py [480p,720p]``.
 """
 
 import importlib.util
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -23,7 +25,11 @@ from openvc_diffusers.gpu_state import clocks
 from openvc_diffusers.processors import wan
 from openvc_kernels.rotary import rotary_reference, rotate_qk
 
-ROUNDS = 30
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from bench_attention import time_interleaved  # noqa: E402
+
+BUDGET_MS = 1500
+"""Of calls per size, all of them interleaved: about 30 rounds at 480p."""
 bench_pipeline_path = Path(__file__).parents[1] / "examples" / "bench_pipeline.py"
 
 
@@ -33,15 +39,6 @@ def load_bench_pipeline():
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def timed_ms(call) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    call()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def with_diffusers_rotary(call):
@@ -80,13 +77,8 @@ def probe_size(bench, size: str) -> dict:
             "reference on Q and K": lambda: (rotary_reference(q, cos, sin), rotary_reference(k, cos, sin)),
             "copy of Q and K": lambda: (torch.empty_like(q).copy_(q), torch.empty_like(k).copy_(k)),
         }
-        for call in calls.values():
-            call()
-        times = {name: [] for name in calls}
-        for _ in range(ROUNDS):
-            for name, call in calls.items():
-                times[name].append(timed_ms(call))
-    medians = {name: statistics.median(t) for name, t in times.items()}
+        times = time_interleaved(list(calls.values()), [()], "synced", BUDGET_MS)
+    medians = {name: statistics.median(t) for name, t in zip(calls, times)}
     return {"size": size, "tokens": tokens, "bit-identical": same, **medians}
 
 
