@@ -1,6 +1,7 @@
 """The rotary embedding Open-VC's Wan processor hands to the backend (``openvc_kernels.rotary``): the reference is
 diffusers' arithmetic bit for bit, the processor's output is the same with it as with diffusers' code, the kernel
-compiles for sm_90a with the reference's roundings (CPU), and on a Hopper GPU writes the reference's bits."""
+compiles for sm_90a with the reference's roundings (CPU), and on a Hopper GPU writes the reference's bits, also on
+HunyuanVideo's tables, where it stands in for diffusers' ``apply_rotary_emb`` (``processors/hunyuan.py``)."""
 
 import collections
 import json
@@ -11,11 +12,13 @@ import sys
 
 import pytest
 import torch
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoRotaryPosEmbed
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
 import openvc_diffusers
 from openvc_diffusers import backend
-from openvc_diffusers.processors import wan
+from openvc_diffusers.processors import hunyuan, wan
 from openvc_diffusers.tiny import cast_like_from_pretrained, tiny_wan_inputs, tiny_wan_transformer
 from openvc_kernels import rotary
 from openvc_kernels.rotary import kernel_rotary_reason, rotary_reference, rotate_qk
@@ -187,11 +190,6 @@ def test_hunyuan_video_rope_rotates_in_one_launch(fresh_seed, layout):
     """The HunyuanVideo processors' rotation (``hunyuan.rotate_video_tokens``) on diffusers' HunyuanVideo RoPE for a
     33 x 30 x 52 latent grid (51,480 tokens), through the launch (``launch_rotates``, the reason None): diffusers'
     ``apply_rotary_emb`` bit for bit, also on the video tokens sliced from a joint [video, text] sequence."""
-    from diffusers.models.embeddings import apply_rotary_emb
-    from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoRotaryPosEmbed
-
-    from openvc_diffusers.processors import hunyuan
-
     rope = HunyuanVideoRotaryPosEmbed(patch_size=2, patch_size_t=1, rope_dim=[16, 56, 56])
     cos, sin = rope(torch.empty(1, 16, 33, 60, 104, device="cuda"))
     text = 256 if layout != "whole" else 0

@@ -19,6 +19,7 @@ from openvc_kernels.rotary import rotate_qk
 from .base import OpenVCProcessorBase, context_qkv, video_qkv
 
 EXACT_IN_FP32 = (torch.float16, torch.bfloat16, torch.float32)
+"""Input dtypes whose values FP32 holds exactly, so that diffusers' ``x.float()`` changes none of them."""
 _paired_tables: tuple = ()
 """The last (cos, sin) that ``_pairs_are_equal`` checked: weak references, their versions, the answer. Every block of
 a forward gets the same tables, so the check (which waits for the device) runs once per forward."""
