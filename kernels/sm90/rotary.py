@@ -93,7 +93,7 @@ class RotaryQK:
         stream: cuda.CUstream,
     ):
         """mQ, mK, mQOut, mKOut (B, S, H, 128) fp16/bf16, all of one shape; mCos, mSin (S, 128) fp32."""
-        n_blocks = (mQ.shape[1] + BLOCK - 1) // BLOCK
+        n_blocks = cute.ceil_div(mQ.shape[1], BLOCK)
         self.kernel(mQ, mK, mCos, mSin, mQOut, mKOut).launch(
             grid=[n_blocks, mQ.shape[0], 1], block=[THREADS, 1, 1], stream=stream
         )
