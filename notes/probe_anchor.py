@@ -23,10 +23,7 @@ from cutlass import Float32
 
 import variant_runner
 from openvc_kernels.expcast import EXPCAST_BIAS, FIRST_ANCHOR_BIAS, MOVE_CODE
-from openvc_kernels.ops import compile_attention
 from openvc_kernels.sm90 import ptx, softmax
-from openvc_kernels.sm90.config import ForwardConfig
-from openvc_kernels.sm90.fwd import ExpCastAttentionSm90
 
 OCTAVE_CODES = 8
 
@@ -54,10 +51,7 @@ VARIANTS = {
 
 
 def compile_variant(name: str):
-    class Variant(ExpCastAttentionSm90):
-        softmax_class = VARIANTS[name]
-
-    return compile_attention(ForwardConfig(), Variant)
+    return variant_runner.compile_with_softmax(VARIANTS[name])
 
 
 if __name__ == "__main__":

@@ -26,10 +26,7 @@ from cutlass import Float32, const_expr
 
 import variant_runner
 from openvc_kernels.expcast import LOG2_PER_CODE
-from openvc_kernels.ops import compile_attention
 from openvc_kernels.sm90 import ptx, softmax
-from openvc_kernels.sm90.config import ForwardConfig
-from openvc_kernels.sm90.fwd import ExpCastAttentionSm90
 
 
 class RowMaxFirst(softmax.ExpCastSoftmax):
@@ -114,10 +111,7 @@ VARIANTS = {
 
 
 def compile_variant(name: str):
-    class Variant(ExpCastAttentionSm90):
-        softmax_class = VARIANTS[name]
-
-    return compile_attention(ForwardConfig(), Variant)
+    return variant_runner.compile_with_softmax(VARIANTS[name])
 
 
 if __name__ == "__main__":
