@@ -20,8 +20,8 @@ MAX_CODE = 120
 FIRST_ANCHOR_BIAS = EXPCAST_BIAS - 16
 """103.65, two octaves under ExpCast's 119.65: where a row's first anchor is set (``code_anchor``), its top score
 encodes to 103 or 104. The first key tile holds 128 of the row's keys, and a later one's max usually passes theirs:
-the 22 codes (1.9 nats) of headroom under TOP_CODE leave most rows of N(0, 1) scores with no move at all (at 32,760
-keys 1.0% of warp-tiles move against 5.1% from 119.65; notes/kernel.md, 2026-12-04), for two octaves of the smallest
+the 22 codes (1.9 nats) of headroom under TOP_CODE leave most rows of N(0, 1) scores with no move at all, where 6
+moved nearly every row once (notes/kernel.md has the rates and the error), for two octaves of the smallest
 probabilities of the rows that never move."""
 
 MOVE_CODE = 112
