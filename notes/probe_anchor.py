@@ -10,11 +10,11 @@
 A lower anchor leaves more codes of headroom before a later tile's max passes 126, so fewer warp-tiles take the
 rare path (``ExpCastSoftmax.move_anchor``) and hold the other warpgroup at the ping-pong barrier
 (``notes/move_rates.py``: on N(0, 1) inputs at 32,760 keys 5.05% of warp-tiles move with the first anchor at 120,
-1.03% with it at 104, 0.12% at 96), and gives the smallest probabilities of the rows that do not move fewer
-codes above E4M3's subnormals (a lower move target, those of every moved row too). Only "shipped" is the
-reference's semantics; this prints each variant's difference from it, its error against
-float64 and the time of three rounds (``variant_runner``). Run on a Hopper GPU: ``python notes/probe_anchor.py``;
-``--sass DIR`` dumps each variant's SASS (no GPU needed). ``tests/test_probes.py`` compiles every variant on the CPU.
+1.03% with it at 104, 0.12% at 96), and leaves the smallest probabilities of the rows that do not move fewer codes
+above E4M3's subnormals (a lower move target: those of every moved row too). Only "shipped" is the reference's
+semantics; this prints each variant's difference from it, its error against float64 and the time of three rounds
+(``variant_runner``). Run on a Hopper GPU: ``python notes/probe_anchor.py``; ``--sass DIR`` dumps each variant's
+SASS (no GPU needed). ``tests/test_probes.py`` compiles every variant on the CPU.
 """
 
 import cutlass

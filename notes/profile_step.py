@@ -6,8 +6,9 @@ same processor; both by default, in turn on the same model), after one warm-up f
 
 Prints per kernel name (the first NAME_CHARS characters) its calls and GPU milliseconds per forward, the largest
 first, and the total; then the forwards' span on the GPU (first kernel's start to last kernel's end), the time no
-kernel ran in it, the largest gaps with the kernels on either side, and how many synchronizing CUDA calls one
-forward makes (``torch.cuda.set_sync_debug_mode``). The attention calls' kernels are among them (Open-VC's
+kernel ran in it, the largest gaps with the kernels on either side, the gaps' total per such pair, and how many
+synchronizing CUDA calls one forward makes (``torch.cuda.set_sync_debug_mode``). ``fa4`` needs flash-attn-4
+(``EXTRA=1`` in ``notes/device_run.sh``). The attention calls' kernels are among them (Open-VC's
 preparation and forward kernels, cross-attention's SDPA), the rest is what every backend's step pays. Run on a GPU
 from the repository root: ``python notes/profile_step.py [480p|720p] [openvc,fa4]``.
 """
