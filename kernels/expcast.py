@@ -15,19 +15,25 @@ EXPCAST_BIAS = 119.65
 """64 + 56 + beta, beta = -0.35: the code of z = 0 before rounding."""
 
 MAX_CODE = 120
-"""E4M3 0x78 = 256.0 = 2^8: the common factor every probability carries; where a row's first anchor is set, its top
-score encodes to 119 or 120 (``code_anchor``)."""
+"""E4M3 0x78 = 256.0 = 2^8: the common factor every probability carries (``expcast_encode``'s top code)."""
+
+FIRST_ANCHOR_BIAS = EXPCAST_BIAS - 16
+"""103.65, two octaves under ExpCast's 119.65: where a row's first anchor is set (``code_anchor``), its top score
+encodes to 103 or 104. The first key tile holds 128 of the row's keys, and a later one's max usually passes theirs:
+the 22 codes (1.9 nats) of headroom under TOP_CODE leave most rows of N(0, 1) scores with no move at all, where 6
+moved nearly every row once (notes/kernel.md has the rates and the error), for two octaves of the smallest
+probabilities of the rows that never move."""
 
 MOVE_CODE = 112
 """Where a row's anchor moves, its top code lands (``code_shift``): the anchor moves by a whole number of codes, so
-every code of the row keeps its rounding (``rne(y - n) = rne(y) - n``) and the top one becomes 112. An octave under a
-first anchor's top (119 or 120): 14 codes (1.2 nats) of headroom before the next move, not 6, so that fewer key tiles
-move an anchor."""
+every code of the row keeps its rounding (``rne(y - n) = rne(y) - n``) and the top one becomes 112: 14 codes (1.2
+nats) of headroom before the next move. A move comes from a tile past the first, with the row's max known better, and
+keeps an octave more of the row's smallest probabilities than a first anchor does."""
 
 TOP_CODE = 126
 """E4M3 0x7E = 448.0, the largest finite byte (0x7F is NaN): the highest code a row's scores take on its anchor. A
 key tile whose codes would pass it moves the anchor (``code_shift``); codes 121..126 are ExpCast's as any other
-(the same step per code), so a new row max within 6 codes of a first anchor's top (14 of a moved one's) costs no
+(the same step per code), so a new row max within 22 codes of a first anchor's top (14 of a moved one's) costs no
 move and no rescale."""
 
 CODES_PER_NAT = 8.0 * math.log2(math.e)
@@ -122,9 +128,10 @@ def row_lse(l: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
 def code_anchor(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """The integer code offset of a row whose first key tile's max is ``m`` and codes-per-score is ``s``.
 
-    ``rne(119.65 - s * m)`` in FP32: a row's first anchor, from its first key tile's max. Anchoring the code grid to
-    an integer lets one FFMA scale and the FP16 conversion round each code (``encode``, ``round_codes``); the
-    reference point moves by less than half a code from ``m``, so the row's top score encodes to 119 or 120.
+    ``rne(103.65 - s * m)`` in FP32 (``FIRST_ANCHOR_BIAS``): a row's first anchor, from its first key tile's max.
+    Anchoring the code grid to an integer lets one FFMA scale and the FP16 conversion round each code (``encode``,
+    ``round_codes``); the reference point moves by less than half a code from ``m``, so the row's top score encodes
+    to 103 or 104.
     """
-    bias = torch.tensor(EXPCAST_BIAS, dtype=torch.float32)
+    bias = torch.tensor(FIRST_ANCHOR_BIAS, dtype=torch.float32)
     return torch.round(bias - (s * m))

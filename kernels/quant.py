@@ -57,9 +57,9 @@ def quantize_per_head(x: torch.Tensor, absmax: torch.Tensor | None = None) -> tu
 
 
 CODE_SPAN_LIMIT = 2.0**24
-"""The most codes a score may lie from 0. Up to it, the FP32 anchor ``rne(119.65 - s m)`` and the product ``s m``
-keep the row max's code within two codes of 119.65; past 2^26 it can reach 127, E4M3's NaN, and far past it a
-row can end with no code above 0 (l = 0). 2^24 codes are 1.45e6 nats."""
+"""The most codes a score may lie from 0. Up to it, the FP32 anchor ``rne(103.65 - s m)`` and the product ``s m``
+keep the row max's code within two codes of 103.65, far under 127 (E4M3's NaN); far past it a row can end with no
+code above 0 (l = 0). 2^24 codes are 1.45e6 nats."""
 
 
 def code_span_quotient(softmax_scale: float, head_dim: int) -> float:

@@ -21,7 +21,7 @@ checks that each name is in both sources:
     s | s | codes per K-descaled raw score of a query block: fp32(codes_per_dot * d_q)
     raw | scores | a tile's raw FP32 scores Q8 . K8 (the kernel encodes them in place)
     codes | scores | the tile's codes on the row's anchor in units of 2^-24, not yet rounded (``expcast.encode``)
-    anchor | anchor | the row's integer code offset: rne(119.65 - s * its first tile's max), lowered by each shift
+    anchor | anchor | the row's integer code offset: rne(103.65 - s * its first tile's max), lowered by each shift
     shift | shift | how far a tile moves the anchor down: its top code past TOP_CODE onto MOVE_CODE (``code_shift``)
     alpha | alpha | the rescale of the earlier sums where the anchor moves, 2^(-shift LOG2_PER_CODE)
     pv | acc_pv | the PV wgmma's sum since the last promotion (numerator, denominator last)

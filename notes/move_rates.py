@@ -4,8 +4,9 @@ A row's first key tile sets its anchor (``expcast.code_anchor``); every later ti
 stands, and where its top code passes TOP_CODE the anchor moves down by ``expcast.code_shift`` (the kernel's
 ``move_anchor``, a pass over the warp's codes and PV sums more). The kernel takes that path per warp (16 rows) and
 key tile where any of its rows moves, so this counts warp-tiles with a move, for N(0, 1) q and k (head dim 128,
-softmax scale 1/sqrt(128); real-valued scores, no quantization), with the first anchor at 119.65 (shipped) and an
-octave lower. Prints one line per S and first anchor:
+softmax scale 1/sqrt(128); real-valued scores, no quantization), with the first anchor at 119.65 (ExpCast's own, the
+kernel's until 2026-12-04), 111.65 and 103.65 (``expcast.FIRST_ANCHOR_BIAS``, shipped). Prints one line per S and
+first anchor:
 
     python notes/move_rates.py [ROWS]
 """
@@ -14,7 +15,7 @@ import sys
 
 import torch
 
-from openvc_kernels.expcast import CODE_UNIT, EXPCAST_BIAS, code_anchor, code_shift, codes_per_dot
+from openvc_kernels.expcast import CODE_UNIT, EXPCAST_BIAS, FIRST_ANCHOR_BIAS, code_anchor, code_shift, codes_per_dot
 from openvc_kernels.quant import BLOCK
 
 HEAD_DIM = 128
@@ -31,7 +32,7 @@ def warp_tiles_moved(seq: int, rows: int, first_bias: float, generator: torch.Ge
         k = torch.randn(min(BLOCK, seq - start), HEAD_DIM, generator=generator)
         dots = q @ k.T
         if anchor is None:
-            anchor = code_anchor(dots.amax(dim=-1), s) + (first_bias - EXPCAST_BIAS)
+            anchor = code_anchor(dots.amax(dim=-1), s) + (first_bias - FIRST_ANCHOR_BIAS)
             continue
         shift = code_shift((s * dots + anchor[:, None]) * CODE_UNIT)
         anchor = anchor - shift
@@ -45,7 +46,7 @@ def main() -> None:
     rows = int(sys.argv[1]) if len(sys.argv) > 1 else 256
     generator = torch.Generator().manual_seed(0)
     for seq in SEQ_LENS:
-        for first_bias in (EXPCAST_BIAS, EXPCAST_BIAS - 8):
+        for first_bias in (EXPCAST_BIAS, EXPCAST_BIAS - 8, FIRST_ANCHOR_BIAS):
             per_row, share = warp_tiles_moved(seq, rows, first_bias, generator)
             print(f"S = {seq:7,d}, first anchor {first_bias:6.2f}: {per_row:.2f} moves per row, "
                   f"{share:6.2%} of warp-tiles with a move", flush=True)

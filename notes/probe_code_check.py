@@ -8,17 +8,15 @@
   fp32 row max     the shipped kernel of 2026-12-04 04:12: the rare path finds each row's top code as the max of its
                    FP32 codes (32 FMNMX a row, two shuffles) instead of reading it off the packed maxima
   row max first    the kernel until 2026-12-03: per key tile and row the raw scores' max (64 FMNMX a thread, two
-                   shuffles), the anchor from it (``rne(119.65 - s m)``, m the running max), then the FFMAs; after the
+                   shuffles), the anchor from it (``code_anchor``, m the running max), then the FFMAs; after the
                    PV wait the rescale where the anchor moved, the promotion, the packing
-  moves to 120     a move puts the top code on 120, as a first anchor does (6 codes of headroom before the next move,
-                   not 14; the kernel of 2026-12-04 00:26 put it on 119 or 120)
-  anchors at 112   the shipped kernel with the first anchor an octave lower too (timing and accuracy only: not the
-                   reference's semantics)
+  moves to 120     a move puts the top code on 120 (6 codes of headroom before the next move, not 14; the kernel of
+                   2026-12-04 00:26 put it on 119 or 120)
 
 "shipped" and "row max first" differ in their semantics (the README's, items 2-4): the shipped kernel's codes may
-reach 126 before an anchor moves, the other's stay at 119 or 120 and move with every new max past half a code, so their outputs differ
-at ExpCast's rounding (its error against float64 the same); this prints that difference, the error and the time of
-three rounds (``variant_runner``). Run on a Hopper GPU: ``python notes/probe_code_check.py``; ``--sass DIR`` dumps
+reach 126 before an anchor moves, the other's stay at 103 or 104 and move with every new max past half a code, so
+their outputs differ at ExpCast's rounding (its error against float64 the same); this prints that difference, the
+error and the time of three rounds (``variant_runner``). Run on a Hopper GPU: ``python notes/probe_code_check.py``; ``--sass DIR`` dumps
 each variant's SASS (no GPU needed). ``tests/test_probes.py`` compiles every variant on the CPU.
 """
 
@@ -28,10 +26,7 @@ from cutlass import Float32, const_expr
 
 import variant_runner
 from openvc_kernels.expcast import LOG2_PER_CODE
-from openvc_kernels.ops import compile_attention
 from openvc_kernels.sm90 import ptx, softmax
-from openvc_kernels.sm90.config import ForwardConfig
-from openvc_kernels.sm90.fwd import ExpCastAttentionSm90
 
 
 class RowMaxFirst(softmax.ExpCastSoftmax):
@@ -109,27 +104,14 @@ class Fp32RowMax(softmax.ExpCastSoftmax):
                     scores[r, i] = scores[r, i] - step
 
 
-class AnchorsLower(softmax.ExpCastSoftmax):
-    """The first anchor an octave lower too: every row's top code on 111 or 112 until a code passes 126, then on 112."""
-
-    @cute.jit
-    def first_anchor(self, d_k: Float32):
-        for r in cutlass.range_constexpr(2):
-            m = ptx.mul_rn(softmax.row_max(self.scores, r), d_k)
-            self.anchor[r] = cute.math.roundeven(Float32(softmax.EXPCAST_BIAS - 8) - ptx.mul_rn(self.s, m))
-
-
 VARIANTS = {
     "shipped": softmax.ExpCastSoftmax, "fp32 row max": Fp32RowMax, "row max first": RowMaxFirst,
-    "moves to 120": MovesTo120, "anchors at 112": AnchorsLower,
+    "moves to 120": MovesTo120,
 }
 
 
 def compile_variant(name: str):
-    class Variant(ExpCastAttentionSm90):
-        softmax_class = VARIANTS[name]
-
-    return compile_attention(ForwardConfig(), Variant)
+    return variant_runner.compile_with_softmax(VARIANTS[name])
 
 
 if __name__ == "__main__":

@@ -21,10 +21,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 import variant_runner
 from openvc_kernels.expcast import CODE_UNIT
-from openvc_kernels.ops import compile_attention
 from openvc_kernels.sm90 import ptx, softmax
 from openvc_kernels.sm90.config import ForwardConfig
-from openvc_kernels.sm90.fwd import ExpCastAttentionSm90
 
 ROUND_MAGIC = float(2**23)
 """Session 3's encode: added to a code in [0, 2^23), the FP32 rounding is the RNE to an integer in the low bits."""
@@ -119,12 +117,7 @@ VARIANTS = {
 
 
 def compile_variant(name: str):
-    rows, config = VARIANTS[name]
-
-    class Variant(ExpCastAttentionSm90):
-        softmax_class = rows
-
-    return compile_attention(config, Variant)
+    return variant_runner.compile_with_softmax(*VARIANTS[name])
 
 
 if __name__ == "__main__":

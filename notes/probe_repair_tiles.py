@@ -28,12 +28,11 @@ from bench_attention import median_over, time_interleaved  # noqa: E402
 
 from openvc_diffusers.config import OpenVCConfig  # noqa: E402
 from openvc_kernels.expcast import CODE_UNIT, TOP_CODE  # noqa: E402
-from openvc_kernels.ops import compile_attention, forward_args, prepare  # noqa: E402
+from openvc_kernels.ops import forward_args, prepare  # noqa: E402
 from openvc_kernels.preparation import with_whole_repair_tiles  # noqa: E402
 from openvc_kernels.sm90.ptx import mul_rn  # noqa: E402
 from openvc_kernels.sm90 import softmax  # noqa: E402
-from openvc_kernels.sm90.config import ForwardConfig  # noqa: E402
-from openvc_kernels.sm90.fwd import ExpCastAttentionSm90  # noqa: E402
+import variant_runner  # noqa: E402
 
 SHAPES = ((32760, 12), (73397, 7))
 BUDGET_MS = 8000
@@ -93,10 +92,7 @@ VARIANTS = {
 
 
 def compile_variant(name: str):
-    class Variant(ExpCastAttentionSm90):
-        softmax_class = VARIANTS[name]
-
-    return compile_attention(ForwardConfig(), Variant)
+    return variant_runner.compile_with_softmax(VARIANTS[name])
 
 
 def main():

@@ -18,9 +18,8 @@ Run on a Hopper GPU: ``python notes/probe_stages.py``. ``tests/test_probes.py`` 
 import cutlass
 import cutlass.cute as cute
 
-from openvc_kernels.ops import compile_attention, forward_args, prepare
-from openvc_kernels.sm90.config import ForwardConfig
-from openvc_kernels.sm90.fwd import ExpCastAttentionSm90
+import variant_runner
+from openvc_kernels.ops import forward_args, prepare
 from openvc_kernels.sm90.softmax import ExpCastSoftmax
 
 SHAPES = ((32_760, 12), (75_600, 40))
@@ -51,10 +50,7 @@ VARIANTS = {
 
 
 def compile_variant(name: str):
-    class Variant(ExpCastAttentionSm90):
-        softmax_class = VARIANTS[name]
-
-    return compile_attention(ForwardConfig(), Variant)
+    return variant_runner.compile_with_softmax(VARIANTS[name])
 
 
 def main():

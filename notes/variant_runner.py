@@ -1,8 +1,8 @@
 """What the forward-kernel probes that compile variants of their own share: their SASS dumped for sm_90a (no GPU
 needed), and a same-process run on a Hopper GPU that checks each variant's output and times them in turn.
 
-A probe module names its variants in ``VARIANTS`` and compiles one with ``compile_variant(name)``; its command line
-is ``main(__doc__, probe)``: ``--sass DIR`` dumps, else it runs.
+A probe module names its variants in ``VARIANTS`` and compiles one with ``compile_variant(name)`` (most through
+``compile_with_softmax``); its command line is ``main(__doc__, probe)``: ``--sass DIR`` dumps, else it runs.
 """
 
 import argparse
@@ -17,6 +17,17 @@ ROUNDS = 3
 """Timing rounds, the variants in turn (every other round in reverse order)."""
 CHECKED_ROWS = 256
 """Query rows whose output is compared with float64 attention."""
+
+
+def compile_with_softmax(softmax_class: type, config=None):
+    """The forward kernel of ``config`` (default: the shipped ``ForwardConfig()``) with ``softmax_class`` as each
+    consumer thread's softmax, compiled for sm_90a (no GPU needed)."""
+    from openvc_kernels.ops import compile_attention
+    from openvc_kernels.sm90.config import ForwardConfig
+    from openvc_kernels.sm90.fwd import ExpCastAttentionSm90
+
+    variant = type("Variant", (ExpCastAttentionSm90,), {"softmax_class": softmax_class})
+    return compile_attention(ForwardConfig() if config is None else config, variant)
 
 
 def dump_sass(folder: str, probe: str) -> None:

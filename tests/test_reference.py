@@ -45,11 +45,11 @@ def test_wgmma_sums_follow_exact_sums_while_the_anchor_moves(fresh_seed):
 
 
 def test_the_anchor_moves_only_where_a_tile_codes_past_the_top():
-    """Two key tiles visited in turn, the raw scores as codes (s = d_k = 1): the first puts its top code on 120
-    (anchor 120); the second's top code passes TOP_CODE (126, its RNE; 126.4 does not) only where its max rises by
-    more than 6.5 codes, and then the anchor moves so that its top code is 112 (an octave under the first's), the first
-    tile's sums rescaled by 2^(-shift / 8)."""
-    rise = torch.tensor([0.0, 5.0, 6.4, 6.6, 7.0, 30.0])  # each unit's second tile's max over its first's, in codes
+    """Two key tiles visited in turn, the raw scores as codes (s = d_k = 1): the first puts its top code on 104
+    (anchor 104); the second's top code passes TOP_CODE (126, its RNE; 126.4 does not) only where its max rises by
+    more than 22.5 codes, and then the anchor moves so that its top code is 112 (MOVE_CODE), the first tile's sums
+    rescaled by 2^(-shift / 8)."""
+    rise = torch.tensor([0.0, 20.0, 22.4, 22.6, 23.0, 40.0])  # each unit's second tile's max over its first's, in codes
     units, dim = len(rise), 128
     first = torch.linspace(-40.0, 0.0, BLOCK)
     raw = torch.stack([first.expand(units, -1), first + rise[:, None]], dim=1)  # (units, tile, key)
@@ -62,15 +62,15 @@ def test_the_anchor_moves_only_where_a_tile_codes_past_the_top():
     order = torch.tensor([[0, 1]]).expand(units, -1)
     acc, l, anchor = _visit(q, torch.ones(units, 1), torch.arange(units), order, range(2), keys, False, 4, False)
 
-    shift = torch.tensor([0.0, 0.0, 0.0, 15.0, 15.0, 38.0])
-    assert torch.equal(anchor, (120.0 - shift)[:, None].expand(-1, BLOCK))
+    shift = torch.tensor([0.0, 0.0, 0.0, 15.0, 15.0, 32.0])
+    assert torch.equal(anchor, (104.0 - shift)[:, None].expand(-1, BLOCK))
     one = torch.ones(())
-    p_first = expcast_decode(round_codes(encode(raw[:, 0], one, torch.tensor(120.0)) - (shift * CODE_UNIT)[:, None]))
-    codes_second = round_codes(encode(raw[:, 1], one, (120.0 - shift)[:, None]))
-    assert codes_second.amax(dim=-1).tolist() == [120, 125, 126, 112, 112, 112]
+    p_first = expcast_decode(round_codes(encode(raw[:, 0], one, torch.tensor(104.0)) - (shift * CODE_UNIT)[:, None]))
+    codes_second = round_codes(encode(raw[:, 1], one, (104.0 - shift)[:, None]))
+    assert codes_second.amax(dim=-1).tolist() == [104, 124, 126, 112, 112, 112]
     p_second = expcast_decode(codes_second)
     alpha = torch.exp2(-shift / 8)[:, None]
-    p_first_then_moved = expcast_decode(round_codes(encode(raw[:, 0], one, torch.tensor(120.0)))) * alpha
+    p_first_then_moved = expcast_decode(round_codes(encode(raw[:, 0], one, torch.tensor(104.0)))) * alpha
     torch.testing.assert_close(p_first_then_moved, p_first, rtol=0.07, atol=0)  # one code's step at most
     expected_l = p_first_then_moved.sum(-1) + p_second.sum(-1)
     torch.testing.assert_close(l, expected_l[:, None].expand(-1, BLOCK), rtol=1e-6, atol=0)

@@ -6,7 +6,7 @@ two rows, 8 apart) and column ``2 (lane % 4) + e + 8 c``. ``rows_view`` re-index
 ``(row, column-within-thread)``. Per row the four lanes of a quad together hold all N columns.
 
 Per key tile and row, with ``s`` codes per raw score unit and ``d_k`` the tile's K descale: at once, on the row's
-anchor (the first tile's from its max, ``anchor = rne(119.65 - s * rowmax(raw) * d_k)``),
+anchor (the first tile's from its max, ``anchor = rne(103.65 - s * rowmax(raw) * d_k)``),
 ``y = fma(raw, s * d_k * 2^-24, anchor * 2^-24)``, the code in units of FP16's smallest subnormal;
 ``cvt.rn.relu.f16x2.f32`` rounds two such values to integers on the subnormal grid and clips them at 0, leaving
 each code in the low byte of a 16-bit half; one PRMT gathers four of those bytes into a PV A word. The packed
@@ -22,7 +22,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr
 
-from ..expcast import CODE_UNIT, EXPCAST_BIAS, LN2, LOG2_PER_CODE, LSE_CODE_OFFSET, MOVE_CODE, TOP_CODE
+from ..expcast import CODE_UNIT, FIRST_ANCHOR_BIAS, LN2, LOG2_PER_CODE, LSE_CODE_OFFSET, MOVE_CODE, TOP_CODE
 from .ptx import byte_perm, larger_half, max_u16x2, mul_rn, pack_codes_f16, warp_any_half_above
 
 
@@ -84,8 +84,8 @@ def row_max(scores: cute.Tensor, row: cutlass.Constexpr[int]) -> Float32:
 
 @cute.jit
 def code_anchor(m: Float32, s: Float32) -> Float32:
-    """``rne(119.65 - s * m)``: the integer the row's codes are anchored to."""
-    return cute.math.roundeven(Float32(EXPCAST_BIAS) - mul_rn(s, m))
+    """``rne(103.65 - s * m)``: the integer the row's codes are anchored to (``expcast.code_anchor``)."""
+    return cute.math.roundeven(Float32(FIRST_ANCHOR_BIAS) - mul_rn(s, m))
 
 
 @cute.jit
