@@ -15,6 +15,12 @@ ROUTE_ATTR = "_openvc_route"
 """The attention module's attribute that holds its route."""
 
 
+def eager_inference() -> bool:
+    """Neither autograd nor torch.compile: where the rotary launch (``openvc_kernels.rotary.rotate_qk``) may stand in
+    for diffusers' rotary code. The launch has no backward; compiled, inductor fuses diffusers' code."""
+    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
 def _qkv(attn, x: torch.Tensor, projections, norm_q, norm_k) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     query, key, value = (proj(x).unflatten(2, (attn.heads, -1)) for proj in projections)
     if norm_q is not None:

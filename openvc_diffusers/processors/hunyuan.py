@@ -16,7 +16,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 
 from openvc_kernels.rotary import rotate_qk
 
-from .base import OpenVCProcessorBase, context_qkv, video_qkv
+from .base import OpenVCProcessorBase, context_qkv, eager_inference, video_qkv
 
 EXACT_IN_FP32 = (torch.float16, torch.bfloat16, torch.float32)
 """Input dtypes whose values FP32 holds exactly, so that diffusers' ``x.float()`` changes none of them."""
@@ -38,17 +38,16 @@ def rotate_video_tokens(
 
 
 def launch_rotates(query: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether ``rotate_qk`` gives ``apply_rotary_emb``'s bits here, and runs outside autograd and compiled code:
+    """Whether ``rotate_qk`` gives ``apply_rotary_emb``'s bits here, in eager inference (``eager_inference``):
     q in a dtype FP32 holds exactly (``apply_rotary_emb`` computes in FP32: it rounds float64), FP32 ``(S, D)``
     tables on q's device with equal entries in each channel pair (``get_1d_rotary_pos_embed``'s
     ``repeat_interleave_real``). ``apply_rotary_emb`` computes pair i as ``x1 cos[2i] + (-x2) sin[2i]`` and
     ``x2 cos[2i+1] + x1 sin[2i+1]``, ``rotate_qk`` as ``x1 cos[2i] - x2 sin[2i+1]`` and ``x1 sin[2i+1] + x2 cos[2i]``,
     each product and sum rounded to FP32: the same numbers where the pair's entries are equal (negation is exact and
-    addition commutes). With autograd the launch has no backward; compiled, inductor fuses diffusers' code."""
+    addition commutes)."""
     table = (query.shape[1], query.shape[-1])
     return (
-        not torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
+        eager_inference()
         and query.dtype in EXACT_IN_FP32
         and all(t.shape == table and t.dtype == torch.float32 and t.device == query.device for t in (cos, sin))
         and _pairs_are_equal(cos, sin)

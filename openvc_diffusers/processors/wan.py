@@ -4,7 +4,7 @@
 import torch
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-from .base import OpenVCProcessorBase
+from .base import OpenVCProcessorBase, eager_inference
 
 
 class OpenVCProcessor(OpenVCProcessorBase, WanAttnProcessor):
@@ -44,11 +44,6 @@ class OpenVCProcessor(OpenVCProcessorBase, WanAttnProcessor):
 def backend_rotates(rotary_emb: tuple[torch.Tensor, torch.Tensor] | None, is_cross: bool) -> bool:
     """Whether the backend applies the rotary embedding to the self-attention's query and key
     (``openvc_kernels.rotary.rotate_qk``: one launch on Hopper, diffusers' bits) instead of diffusers' code (ten
-    PyTorch kernels per tensor): eagerly and without autograd. With autograd, the kernel has no backward; compiled,
-    inductor fuses diffusers' code with the QK norms."""
-    return (
-        rotary_emb is not None
-        and not is_cross
-        and not torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-    )
+    PyTorch kernels per tensor): for self-attention in eager inference (``eager_inference``; compiled, inductor fuses
+    diffusers' code with the QK norms)."""
+    return rotary_emb is not None and not is_cross and eager_inference()
