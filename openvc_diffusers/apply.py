@@ -29,7 +29,6 @@ from .processors.base import count_compiled_calls
 from .steps import StepTracker
 
 TRANSFORMER_ATTRS = ("transformer", "transformer_2")  # Wan 2.2 A14B has a high- and a low-noise expert
-HOOKS_ATTR = "_openvc_hooks"
 
 
 @dataclass(frozen=True)
@@ -132,16 +131,6 @@ def apply(target, config=None) -> OpenVCProcessorBase:
             else:
                 module.processor = processor
             processor.route(module, is_cross=name.rsplit(".", 1)[-1] == family.cross_attention)
-        _replace_hooks(model, [
-            model.register_forward_pre_hook(processor.step_tracker, with_kwargs=True),
-            model.register_forward_pre_hook(count_compiled_calls),
-        ])
+        model.register_forward_pre_hook(processor.step_tracker, with_kwargs=True)
+        model.register_forward_pre_hook(count_compiled_calls)
     return processor
-
-
-def _replace_hooks(model: torch.nn.Module, handles: list) -> None:
-    """Keep ``handles`` as the model's Open-VC hooks, removing those of an earlier ``apply``: applied again (another
-    config), a model runs one step tracker, not one per call (each reads the timestep)."""
-    for handle in getattr(model, HOOKS_ATTR, ()):
-        handle.remove()
-    setattr(model, HOOKS_ATTR, handles)

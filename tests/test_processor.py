@@ -111,18 +111,20 @@ def test_watched_steps_are_read_at_every_forward():
     assert seen == [(0, None), (0, None), (1, 1), (2, None)]
 
 
-def test_applying_again_replaces_the_hooks():
+def test_processors_applied_in_turn_each_count_the_steps():
+    # examples/bench_pipeline.py installs one processor per backend on one model and switches between them: each
+    # apply adds its own tracker, which reads nothing unless its bf16_steps watch the steps.
     model, inputs = tiny_wan_transformer(), tiny_wan_inputs()
-    first = openvc_diffusers.apply(model, {"min_tokens": 0})
-    hooks = len(model._forward_pre_hooks)
-    second = openvc_diffusers.apply(model, {"min_tokens": 0, "bf16_steps": [0]})
-    assert len(model._forward_pre_hooks) == hooks
-    assert second.step_tracker in model._forward_pre_hooks.values()
-    assert first.step_tracker not in model._forward_pre_hooks.values()
+    plain = openvc_diffusers.apply(model, {"min_tokens": 0})
+    watching = openvc_diffusers.apply(model, {"min_tokens": 0, "bf16_steps": [1]})
     with torch.no_grad():
-        model(**inputs)
-    assert first.step is None and second.step == 0
-    assert second.calls == {(SELF, "sdpa"): 2, (CROSS, "sdpa"): 2}
+        for timestep, processor in [(900, watching), (800, plain), (700, watching)]:
+            model.set_attn_processor(processor)
+            model(**{**inputs, "timestep": torch.tensor([timestep])})
+    assert plain.step == watching.step == 2
+    assert plain.calls == {(SELF, "openvc-reference"): 2, (CROSS, "sdpa"): 2}
+    assert watching.calls == {(SELF, "openvc-reference"): 4, (CROSS, "sdpa"): 4}
+    assert plain.step_tracker._pending == [] and watching.step_tracker.watched_step is None
 
 
 def test_apply_rejects_unsupported_models():
