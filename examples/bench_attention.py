@@ -204,10 +204,9 @@ def host_ms(fn, sets) -> float:
 
 def time_interleaved(fns: list, sets, timing: str, budget_ms: float = TIMED_MS) -> list[list[float]]:
     """Per-call CUDA-event times of each of ``fns``, called in turn over about ``budget_ms`` of calls in all (at least
-    ``MIN_ROUNDS`` rounds): round i
-    calls each once, in the given order for even i and reversed for odd i (neither always first), on input set
-    i % len(sets). Back to back the calls are synchronized once at the end (``time_ms``); synchronized each one
-    alone (``time_ms_synced``). Round i's times are entry i of each list."""
+    ``MIN_ROUNDS`` rounds): round i calls each once, in the given order for even i and reversed for odd i (neither
+    always first), on input set i % len(sets). Back to back the calls are synchronized once at the end
+    (``time_ms``); synchronized each one alone (``time_ms_synced``). Round i's times are entry i of each list."""
     rounds = max(MIN_ROUNDS, calls_for(fns[0], sets[0], budget_ms / len(fns)))
     for fn in fns[1:]:
         fn(*sets[0])  # warm-up

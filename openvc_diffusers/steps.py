@@ -25,6 +25,7 @@ class StepTracker:
     """
 
     PENDING_LIMIT = 256
+    """Timesteps kept unread at most: one synchronization per this many forwards bounds what a tracker holds."""
 
     def __init__(self, watched: Collection[int] = ()):
         self.watched = frozenset(watched)

@@ -158,7 +158,8 @@ def test_interleaved_calls_take_turns_and_pair_by_round(bench, monkeypatch, timi
 
         return call
 
-    times = bench.time_interleaved([method("api", 1.0), method("defaults", 3.0)], [["set0"], ["set1"]], timing, budget_ms)
+    methods = [method("api", 1.0), method("defaults", 3.0)]
+    times = bench.time_interleaved(methods, [["set0"], ["set1"]], timing, budget_ms)
     timed = calls[3:]  # after calls_for's two calls of the first and one warm-up call of the second
     rounds = len(timed) // 2
     assert bench.MIN_ROUNDS == 15
