@@ -86,6 +86,9 @@ SHAPES = "73397x7,32760x12,75600x40,118800x24"
 INPUT_SETS = 2
 TIMED_MS = 1500
 MIN_CALLS = 5
+MIN_ROUNDS = 15
+"""Rounds ``time_interleaved`` runs at least: its figure is a median of per-round ratios, which the power cap's clock
+moves by a few percent, and at 118,800 x 24 (about 150 ms a call) the time budget alone would give 5."""
 HOST_CALLS = 16
 """Calls whose host time is taken: their launches (a few dozen each) stay well inside the GPU's queue of about a
 thousand, so enqueueing them never waits for the GPU."""
@@ -200,11 +203,11 @@ def host_ms(fn, sets) -> float:
 
 
 def time_interleaved(fns: list, sets, timing: str, budget_ms: float = TIMED_MS) -> list[list[float]]:
-    """Per-call CUDA-event times of each of ``fns``, called in turn over about ``budget_ms`` of calls in all: round i
-    calls each once, in the given order for even i and reversed for odd i (neither always first), on input set
-    i % len(sets). Back to back the calls are synchronized once at the end (``time_ms``); synchronized each one
-    alone (``time_ms_synced``). Round i's times are entry i of each list."""
-    rounds = calls_for(fns[0], sets[0], budget_ms / len(fns))
+    """Per-call CUDA-event times of each of ``fns``, called in turn over about ``budget_ms`` of calls in all (at least
+    ``MIN_ROUNDS`` rounds): round i calls each once, in the given order for even i and reversed for odd i (neither
+    always first), on input set i % len(sets). Back to back the calls are synchronized once at the end
+    (``time_ms``); synchronized each one alone (``time_ms_synced``). Round i's times are entry i of each list."""
+    rounds = max(MIN_ROUNDS, calls_for(fns[0], sets[0], budget_ms / len(fns)))
     for fn in fns[1:]:
         fn(*sets[0])  # warm-up
     synced = timing == "synced"

@@ -31,6 +31,7 @@ from openvc_diffusers.pipelines import (
     pipeline_transformers,
     steps_kwargs,
 )
+from openvc_diffusers.video import writer_missing
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -107,6 +108,8 @@ def warm_up(pipe, args) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if (reason := writer_missing()) is not None:
+        sys.exit(f"Cannot write the videos: {reason}")  # before minutes of denoising, not after
     try:
         pipe = load_pipeline(args.model, args.device)
     except ModelNotAvailableError as e:
@@ -121,15 +124,6 @@ def main(argv=None) -> dict:
     processor.calls.clear()  # count the timed run's calls only
     openvc_video, openvc_time = generate(pipe, args)
 
-    os.makedirs(args.output, exist_ok=True)
-    videos = {
-        "bf16.mp4": bf16_video,
-        "openvc.mp4": openvc_video,
-        "side_by_side.mp4": np.concatenate([bf16_video, openvc_video], axis=2),
-    }
-    for name, video in videos.items():
-        export_to_video(list(video), os.path.join(args.output, name), fps=args.fps)
-
     results = {
         "psnr": psnr(bf16_video, openvc_video),
         "ssim": ssim(bf16_video, openvc_video),
@@ -142,7 +136,16 @@ def main(argv=None) -> dict:
     calls = ", ".join(f"{kind}-attention {backend} {n}" for (kind, backend), n in sorted(processor.calls.items()))
     print(f"Open-VC run, calls per backend: {calls}")
     print(f"denoising time: stock attention {bf16_time:.2f} s, Open-VC {openvc_time:.2f} s")
-    print(f"Open-VC vs stock: PSNR {results['psnr']:.2f} dB, SSIM {results['ssim']:.4f}")
+    print(f"Open-VC vs stock: PSNR {results['psnr']:.2f} dB, SSIM {results['ssim']:.4f}", flush=True)
+
+    os.makedirs(args.output, exist_ok=True)
+    videos = {
+        "bf16.mp4": bf16_video,
+        "openvc.mp4": openvc_video,
+        "side_by_side.mp4": np.concatenate([bf16_video, openvc_video], axis=2),
+    }
+    for name, video in videos.items():
+        export_to_video(list(video), os.path.join(args.output, name), fps=args.fps)
     print(f"wrote {', '.join(os.path.join(args.output, name) for name in videos)}")
     return results
 

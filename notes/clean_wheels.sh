@@ -10,10 +10,27 @@
 #                                   CUDA's bindings) and diffusers with what it needs beyond the image (the image's
 #                                   transformers, accelerate, numpy, ... stand in): two calls instead of six; not for
 #                                   the flavor stage (no CUDA 12 flavor) or the generate stage (no imageio-ffmpeg)
+#   notes/clean_wheels.sh video     imageio-ffmpeg alone, for the generate stage beside the lean set: its wheel (68 MB,
+#                                   its own ffmpeg) in two halves, .whl/v1 and .whl/v2, one call each (device_run.sh
+#                                   joins them once both came); the other folders stay
 set -euo pipefail
 mode=${1:-all}
-[[ $mode == all || $mode == lean ]] || { echo "usage: $0 [lean]" >&2; exit 2; }
+[[ $mode == all || $mode == lean || $mode == video ]] || { echo "usage: $0 [lean|video]" >&2; exit 2; }
 cd "$(dirname "$0")/.."
+if [[ $mode == video ]]; then
+  work=$(mktemp -d)
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+    -d "$work" imageio-ffmpeg
+  rm -rf .whl/v[0-9]* && mkdir -p .whl/v1 .whl/v2
+  wheel=$(ls "$work"/*.whl) && name=${wheel##*/}
+  split -n 2 -d -a 2 "$wheel" "$work/$name.part"
+  for n in 1 2; do
+    mv "$work/$name.part0$((n - 1))" .whl/v$n/ && echo 2 > ".whl/v$n/$name.parts"
+    echo ".whl/v$n: $(du -b .whl/v$n | cut -f1) bytes"
+  done
+  rm -rf "$work"
+  exit 0
+fi
 work=$(mktemp -d)
 platforms=""
 for n in 39 35 34 31 28 27 26 25 24 18 17 12 5; do platforms+=" --platform manylinux_2_${n}_x86_64"; done

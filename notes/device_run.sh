@@ -5,7 +5,9 @@
 #   prep      tests/test_sm90_prep.py, then notes/bench_sm90_prep.py (each launch, smoothing and repair steps)
 #   tests     ${TESTS} (default tests/test_sm90_gpu.py): paths or node ids, split on spaces (so no -k expressions);
 #             TESTS_TIMEOUT default 500 s (test_sm90_gpu.py with test_sm90_lse_gpu.py took 288 s on a fresh machine)
-#   generate  examples/generate.py on the tiny Wan pipeline (stock attention, then Open-VC on the kernel)
+#   generate  examples/generate.py on the tiny Wan pipeline (stock attention, then Open-VC on the kernel); writing
+#             the videos needs imageio-ffmpeg: EXTRA=1 after the calls carrying .whl/v1 and .whl/v2
+#             (notes/clean_wheels.sh video)
 #   bench     examples/bench_attention.py ${BENCH_ARGS} (every peer, each timed twice: BENCH_TIMEOUT default 450 s)
 #   ncu       Nsight Compute on one forward-kernel launch at each of ${NCU_SHAPES} (default 32760x12;
 #             notes/kernel_once.py)
@@ -36,7 +38,14 @@ mkdir -p $STASH
 EXTRA_STASH=/tmp/wheels-extra
 EXTRA_SITE=/tmp/site-extra
 mkdir -p $EXTRA_STASH $EXTRA_SITE
-for d in .whl/extra .whl/peers; do [ -d "$d" ] && cp -n "$d"/*.whl $EXTRA_STASH/; done
+for d in .whl/extra .whl/peers .whl/v[0-9]*; do [ -d "$d" ] && cp -n "$d"/* $EXTRA_STASH/; done
+# A wheel over a call's share comes in parts (NAME.whl.part00, ...) with NAME.whl.parts, their count: joined once all came.
+for count in $EXTRA_STASH/*.whl.parts; do
+  wheel=${count%.parts}
+  [ -f "$count" ] && [ ! -f "$wheel" ] || continue
+  [ "$(ls "$wheel".part[0-9][0-9] 2>/dev/null | wc -l)" = "$(cat "$count")" ] || continue
+  cat "$wheel".part[0-9][0-9] > "$wheel.joining" && mv "$wheel.joining" "$wheel"
+done
 for wheel in $EXTRA_STASH/*.whl; do
   [ -f "$wheel" ] && [ ! -f "$EXTRA_SITE/.installed-${wheel##*/}" ] || continue
   python3 -m pip install -q --no-index --no-deps --no-compile --target $EXTRA_SITE "$wheel" || exit 4

@@ -75,7 +75,7 @@ def idle_table(kernels: list, forwards: int) -> None:
 
 
 def syncs_per_forward(forward) -> collections.Counter:
-    """The synchronizing CUDA calls one ``forward()`` makes, by warning text."""
+    """The synchronizing CUDA calls one ``forward()`` makes, by warning text and the Python line that made each."""
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -83,7 +83,7 @@ def syncs_per_forward(forward) -> collections.Counter:
             forward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    return collections.Counter(str(w.message)[:120] for w in caught)
+    return collections.Counter(f"{str(w.message)[:100]} at {w.filename}:{w.lineno}" for w in caught)
 
 
 def profile_backend(bench, model, size: str, backend: str) -> None:

@@ -1,4 +1,4 @@
-"""Reading videos back as arrays, for comparing what the examples wrote."""
+"""Reading videos back as arrays, for comparing what the examples wrote, and whether this machine can write them."""
 
 import os
 
@@ -12,6 +12,20 @@ _PAIR_RULE = "the videos of a pair need the same number and size of frames"
 class VideoError(ValueError):
     """A file that cannot be read as an 8-bit RGB video, or a pair of videos that do not match; the one-line
     message names the files and the problem."""
+
+
+def writer_missing() -> str | None:
+    """Why this machine cannot write mp4 files, or None: diffusers' ``export_to_video`` runs the ffmpeg that
+    imageio-ffmpeg finds (its own binary, ``IMAGEIO_FFMPEG_EXE`` or one on the PATH)."""
+    try:
+        import imageio_ffmpeg
+    except ImportError:
+        return "imageio-ffmpeg is not installed (pip install imageio-ffmpeg)"
+    try:
+        imageio_ffmpeg.get_ffmpeg_exe()
+    except RuntimeError as e:
+        return f"imageio-ffmpeg finds no ffmpeg ({str(e).strip().splitlines()[0]})"
+    return None
 
 
 def read_video(path: str | os.PathLike) -> np.ndarray:

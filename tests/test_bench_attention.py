@@ -145,7 +145,8 @@ class FakeEvent:
 
 
 @pytest.mark.parametrize("timing", ["back_to_back", "synced"])
-def test_interleaved_calls_take_turns_and_pair_by_round(bench, monkeypatch, timing):
+@pytest.mark.parametrize("budget_ms, expected_rounds", [(40.0, 20), (16.0, 15)])  # 1 ms a call; else MIN_ROUNDS
+def test_interleaved_calls_take_turns_and_pair_by_round(bench, monkeypatch, timing, budget_ms, expected_rounds):
     calls, syncs = [], []
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(len(calls)))
@@ -157,10 +158,12 @@ def test_interleaved_calls_take_turns_and_pair_by_round(bench, monkeypatch, timi
 
         return call
 
-    times = bench.time_interleaved([method("api", 1.0), method("defaults", 3.0)], [["set0"], ["set1"]], timing, 16.0)
+    methods = [method("api", 1.0), method("defaults", 3.0)]
+    times = bench.time_interleaved(methods, [["set0"], ["set1"]], timing, budget_ms)
     timed = calls[3:]  # after calls_for's two calls of the first and one warm-up call of the second
     rounds = len(timed) // 2
-    assert rounds == 8 and len(times[0]) == len(times[1]) == rounds  # 16 ms over two methods, 1 ms per call
+    assert bench.MIN_ROUNDS == 15
+    assert rounds == expected_rounds and len(times[0]) == len(times[1]) == rounds
     for i in range(rounds):
         pair = timed[2 * i : 2 * i + 2]
         assert [name for name, _ in pair] == (["api", "defaults"] if i % 2 == 0 else ["defaults", "api"])

@@ -186,3 +186,13 @@ def test_clocks_without_nvidia_smi_are_empty(monkeypatch):
 
     monkeypatch.setattr(gpu_state, "CLOCKS_QUERY", ["no-such-program-openvc"])
     assert gpu_state.clocks() == ""
+
+
+def test_seconds_per_step_weighs_alternating_steps_alike():
+    bench = load_example("bench_pipeline")
+    # Steps that alternate fast, slow, fast, ...: the plain median of five is the fast time.
+    assert bench.seconds_per_step([400.0, 430.0, 400.0, 430.0, 400.0]) == pytest.approx(0.415)
+    assert bench.seconds_per_step([430.0, 400.0, 430.0, 400.0, 430.0]) == pytest.approx(0.415)
+    assert bench.seconds_per_step([400.0, 430.0, 900.0, 420.0, 410.0]) == pytest.approx(0.4175)  # one outlier
+    assert bench.seconds_per_step([500.0]) == pytest.approx(0.5)
+    assert bench.seconds_per_step([500.0, 520.0]) == pytest.approx(0.51)

@@ -236,6 +236,38 @@ def test_generate_writes_videos_and_compares_them(tmp_path):
     assert results["calls"][("self", "openvc-reference")] > 0
 
 
+@pytest.mark.parametrize(
+    "found, expected",
+    [
+        (None, "imageio-ffmpeg is not installed (pip install imageio-ffmpeg)"),
+        (RuntimeError("No ffmpeg exe could be found.\nInstall ffmpeg on your system"), "imageio-ffmpeg finds no ffmpeg "
+         "(No ffmpeg exe could be found.)"),
+    ],
+)
+def test_generate_without_a_video_writer_stops_before_loading(found, expected, monkeypatch):
+    if found is None:
+        monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # import fails
+    else:
+        import imageio_ffmpeg
+
+        monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", lambda: (_ for _ in ()).throw(found))
+    with pytest.raises(SystemExit) as exit:
+        without_pipeline("generate").main(["--steps", "1"])
+    assert exit.value.code == f"Cannot write the videos: {expected}"
+
+
+def test_generate_prints_its_comparison_before_writing(tmp_path, monkeypatch, capsys):
+    script = load_example("generate")
+
+    def failing_export(*_, **__):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(script, "export_to_video", failing_export)
+    with pytest.raises(OSError, match="disk full"):
+        script.main(["--output", str(tmp_path), "--steps", "1", "--device", "cpu"])
+    assert "Open-VC vs stock: PSNR " in capsys.readouterr().out
+
+
 def test_missing_model_offline_says_how_to_point_at_a_folder(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
     command = [sys.executable, str(EXAMPLES / "generate.py"), "--model", "no-such-org/no-such-model"]

@@ -176,3 +176,23 @@ def test_denoising_step_replays_from_a_cuda_graph():
     # Replays run no Python: only the capture and the eager steps counted.
     counted = processor.calls - before
     assert counted == {key: 3 * n for key, n in CALLS_PER_FORWARD.items()}, f"calls counted: {dict(counted)}"
+
+
+def test_an_eager_forward_makes_no_synchronizing_call():
+    """Nothing in an eager forward waits for the GPU (a wait leaves it idle while the host catches up): the step
+    tracker keeps the timesteps unread where no ``bf16_steps`` need them, the kernel's route checks nothing on the
+    device. The steps are still counted when asked."""
+    model, processor = small_wan()
+    with torch.no_grad():
+        inputs = step_inputs(0, TIMESTEPS[0])
+        velocity(model, inputs["latents"], inputs["timestep"], inputs["text"])  # warm-up: kernels compile here
+        steps = [step_inputs(i, timestep) for i, timestep in enumerate(TIMESTEPS[1:], start=1)]  # copies wait
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for inputs in steps:
+                velocity(model, inputs["latents"], inputs["timestep"], inputs["text"])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert processor.step == len(TIMESTEPS) - 1
+    assert processor.calls == {key: n * len(TIMESTEPS) for key, n in CALLS_PER_FORWARD.items()}, processor.calls

@@ -160,14 +160,21 @@ def test_shards_merge_into_the_unsplit_call(accumulation, cuts, fresh_seed):
 
 def test_repair_picks_per_shard(fresh_seed):
     """Each shard ranks and repairs its own round(rho * S_shard) keys: the merged call is no longer the unsplit one
-    within rounding, but it is as close to float64 attention (repair helps each shard's rows alike)."""
-    q, k, v = _normal(1, 256, 1), _normal(1, 1024, 1), _normal(1, 1024, 1)
-    v[:, torch.randperm(1024)[:8]] *= 20.0
+    within rounding, but each shard's repair still helps (the merged call closer to float64 attention with it than
+    without), and the merged call is about as close as the unsplit one. Over 1,000 seeds (2026-12-04): with repair
+    against without at most 0.978 (median 0.912), merged against unsplit at most 1.117 (median 1.001); with one head
+    the latter reached 1.28, which a bound of 1.1 met in 3% of seeds."""
+    heads = 4
+    q, k, v = _normal(1, 256, heads), _normal(1, 1024, heads), _normal(1, 1024, heads)
+    for head in range(heads):
+        v[:, torch.randperm(1024)[:8], head] *= 20.0
     exact = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * TAU, dim=-1)
     exact = torch.einsum("bhqk,bkhd->bqhd", exact, v.double())
     merged, _ = _merged_shards(q, k, v, [512], repair_ratio=0.02)
+    unrepaired, _ = _merged_shards(q, k, v, [512])
     unsplit = reference_attention(q, k, v, repair_ratio=0.02)
-    assert rel_l2(merged, exact) <= 1.1 * rel_l2(unsplit, exact)
+    assert rel_l2(merged, exact) < rel_l2(unrepaired, exact)
+    assert rel_l2(merged, exact) <= 1.2 * rel_l2(unsplit, exact)
 
 
 def test_own_scales_passed_explicitly_change_nothing(fresh_seed):

@@ -11,6 +11,7 @@ from openvc_diffusers.metrics import rel_l2
 import openvc_diffusers
 import openvc_kernels
 from openvc_diffusers import OpenVCProcessor
+from openvc_diffusers.steps import StepTracker
 from openvc_diffusers.tiny import TINY_VIDEO, tiny_wan_inputs, tiny_wan_pipeline, tiny_wan_transformer
 
 SELF, CROSS = "self", "cross"
@@ -76,6 +77,54 @@ def test_apply_tracks_steps_for_bf16_steps():
     assert processor.calls[SELF, "sdpa"] == 4
     assert processor.calls[SELF, "openvc-reference"] == 8
     assert processor.step == 2
+
+
+def test_unwatched_steps_are_read_when_asked_not_at_every_forward(monkeypatch):
+    # Reading a timestep on the GPU synchronizes: without bf16_steps nothing needs the step during a forward.
+    tracker = StepTracker()
+    reads = []
+    read = tracker._read_pending
+    monkeypatch.setattr(tracker, "_read_pending", lambda: reads.append(len(tracker._pending)) or read())
+    last = torch.tensor([700.0])
+    for timestep in [torch.tensor([900.0]), torch.tensor([900.0]), torch.tensor([800.0]), last]:
+        tracker(None, (), {"timestep": timestep})
+    last.fill_(100.0)  # the pipeline's tensor changes after the forward: the tracker kept the value it had
+    assert reads == [] and tracker.watched_step is None
+    assert tracker.step == 2 and reads == [4]
+    for timestep in [1000.0, 900.0]:  # a new generation
+        tracker(None, (), {"timestep": torch.tensor(timestep)})
+    assert tracker.step == 1 and reads == [4, 2]
+    assert tracker.step == 1 and reads == [4, 2, 0]  # nothing kept: nothing read
+    monkeypatch.setattr(StepTracker, "PENDING_LIMIT", 3)
+    for timestep in [1000.0, 900.0, 800.0, 700.0]:
+        tracker(None, (), {"timestep": torch.tensor([timestep])})
+    assert reads == [4, 2, 0, 3]  # what it keeps is bounded
+    assert tracker.step == 3
+
+
+def test_watched_steps_are_read_at_every_forward():
+    tracker = StepTracker(watched={1})
+    seen = []
+    for timestep in [900.0, 900.0, 800.0, 700.0]:
+        tracker(None, (), {"timestep": torch.tensor([timestep])})
+        seen.append((tracker._step, tracker.watched_step))
+    assert seen == [(0, None), (0, None), (1, 1), (2, None)]
+
+
+def test_processors_applied_in_turn_each_count_the_steps():
+    # examples/bench_pipeline.py installs one processor per backend on one model and switches between them: each
+    # apply adds its own tracker, which reads nothing unless its bf16_steps watch the steps.
+    model, inputs = tiny_wan_transformer(), tiny_wan_inputs()
+    plain = openvc_diffusers.apply(model, {"min_tokens": 0})
+    watching = openvc_diffusers.apply(model, {"min_tokens": 0, "bf16_steps": [1]})
+    with torch.no_grad():
+        for timestep, processor in [(900, watching), (800, plain), (700, watching)]:
+            model.set_attn_processor(processor)
+            model(**{**inputs, "timestep": torch.tensor([timestep])})
+    assert plain.step == watching.step == 2
+    assert plain.calls == {(SELF, "openvc-reference"): 2, (CROSS, "sdpa"): 2}
+    assert watching.calls == {(SELF, "openvc-reference"): 4, (CROSS, "sdpa"): 4}
+    assert plain.step_tracker._pending == [] and watching.step_tracker.watched_step is None
 
 
 def test_apply_rejects_unsupported_models():
