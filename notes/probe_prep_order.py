@@ -104,7 +104,7 @@ def compile_gathering_repair_rows():
     b, h = cute.sym_int(), cute.sym_int()
     s_all, n_k, repair_keys = cute.sym_int(divisibility=BLOCK), cute.sym_int(), cute.sym_int(divisibility=BLOCK)
     return cute.compile(
-        GatheringRepairRows(), prep_ops._input_fake(prep_ops.TORCH_TO_CUTLASS[DTYPE]),
+        GatheringRepairRows(), prep_ops.input_fake(prep_ops.TORCH_TO_CUTLASS[DTYPE]),
         row_major_fake(cutlass.Int64, (b, h, cute.sym_int()), 8),
         row_major_fake(Uint8, (b, h, s_all, HEAD_DIM), 16), row_major_fake(Float32, (b, h, n_k), 4),
         row_major_fake(Uint8, (b, h, PV_N, s_all), 16), row_major_fake(Float32, (b, h), 4),
