@@ -41,6 +41,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint8
 
 from ..quant import ABSMAX_FLOOR, BLOCK, FP8_MAX, MEAN_SEGMENTS, MEAN_TOKEN_STRIDE
+from .dependent_launch import follow_previous_launch, launch_options
 from .layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS
 from .ptx import mul_rn
 
@@ -232,11 +233,13 @@ class QuantizePerBlock:
         """mX (B, S, H, 128) fp16/bf16; mX8 (B, H, S_pad, 128) uint8, rows contiguous; mD (B, H, n_blocks) fp32;
         mMean (B, H, 128) fp32 channel means to subtract, or None."""
         self.kernel(mX, mX8, mD, mMean).launch(
-            grid=[mD.shape[2], mD.shape[1], mD.shape[0]], block=[THREADS, 1, 1], stream=stream
+            grid=[mD.shape[2], mD.shape[1], mD.shape[0]], block=[THREADS, 1, 1], stream=stream,
+            **launch_options(),
         )
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mX8: cute.Tensor, mD: cute.Tensor, mMean: cute.Tensor | None):
+        follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -318,11 +321,13 @@ class ChannelSumsPerBlock:
     def __call__(self, mK: cute.Tensor, mSums: cute.Tensor, stream: cuda.CUstream):
         """mK (B, S, H, 128) fp16/bf16; mSums (B, H, n_blocks, 128) fp32."""
         self.kernel(mK, mSums).launch(
-            grid=[mSums.shape[2], mSums.shape[1], mSums.shape[0]], block=[THREADS, 1, 1], stream=stream
+            grid=[mSums.shape[2], mSums.shape[1], mSums.shape[0]], block=[THREADS, 1, 1], stream=stream,
+            **launch_options(),
         )
 
     @cute.kernel
     def kernel(self, mK: cute.Tensor, mSums: cute.Tensor):
+        follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         warp_sums = _allocate_warp_sums(cutlass.memory.SmemAllocator())
@@ -342,11 +347,13 @@ class ChannelMean:
         """mSums (B, H, n_blocks, 128) fp32 (``ChannelSumsPerBlock``); mMean (B, H, 128) fp32; ``tokens``
         ``quant.mean_tokens(S)``."""
         self.kernel(mSums, mMean, tokens).launch(
-            grid=[mMean.shape[1], mMean.shape[0], 1], block=[MEAN_THREADS, 1, 1], stream=stream
+            grid=[mMean.shape[1], mMean.shape[0], 1], block=[MEAN_THREADS, 1, 1], stream=stream,
+            **launch_options(),
         )
 
     @cute.kernel
     def kernel(self, mSums: cute.Tensor, mMean: cute.Tensor, tokens: Int32):
+        follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -378,11 +385,13 @@ class AbsmaxPerHead:
         """mV (B, S, H, 128) fp16/bf16; mAmax (B, H) fp32, zeroed."""
         n_blocks = cute.ceil_div(mV.shape[1], BLOCK)
         self.kernel(mV, mAmax).launch(
-            grid=[n_blocks, mV.shape[2], mV.shape[0]], block=[THREADS, 1, 1], stream=stream
+            grid=[n_blocks, mV.shape[2], mV.shape[0]], block=[THREADS, 1, 1], stream=stream,
+            **launch_options(),
         )
 
     @cute.kernel
     def kernel(self, mV: cute.Tensor, mAmax: cute.Tensor):
+        follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -402,11 +411,13 @@ class AbsmaxAndChannelSums:
         """mV, mK (B, S, H, 128) fp16/bf16 of the same shape; mAmax (B, H) fp32, zeroed; mSums (B, H, n_blocks,
         128) fp32."""
         self.kernel(mV, mK, mAmax, mSums).launch(
-            grid=[mSums.shape[2], mSums.shape[1], mSums.shape[0]], block=[THREADS, 1, 1], stream=stream
+            grid=[mSums.shape[2], mSums.shape[1], mSums.shape[0]], block=[THREADS, 1, 1], stream=stream,
+            **launch_options(),
         )
 
     @cute.kernel
     def kernel(self, mV: cute.Tensor, mK: cute.Tensor, mAmax: cute.Tensor, mSums: cute.Tensor):
+        follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -450,13 +461,15 @@ class PackV:
         mDv (B, H) fp32; mEnergy (B, H, S) fp32 or None."""
         n_blocks = cute.ceil_div(mV.shape[1], BLOCK)
         self.kernel(mV, mAmax, mVp, mDv, mEnergy).launch(
-            grid=[n_blocks, mV.shape[2], mV.shape[0]], block=[THREADS, 1, 1], stream=stream
+            grid=[n_blocks, mV.shape[2], mV.shape[0]], block=[THREADS, 1, 1], stream=stream,
+            **launch_options(),
         )
 
     @cute.kernel
     def kernel(
         self, mV: cute.Tensor, mAmax: cute.Tensor, mVp: cute.Tensor, mDv: cute.Tensor, mEnergy: cute.Tensor | None
     ):
+        follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         if cutlass.const_expr(self.last_read_first):
@@ -572,6 +585,7 @@ class RepairRows:
             grid=[mDkRepair.shape[2] // REPAIR_KEYS_PER_CTA, mDkRepair.shape[1], mDkRepair.shape[0]],
             block=[THREADS, 1, 1],
             stream=stream,
+            **launch_options(),
         )
 
     @cute.kernel
@@ -587,6 +601,7 @@ class RepairRows:
         mDkRepair: cute.Tensor,
         mTileRepair: cute.Tensor,
     ):
+        follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         key = n * REPAIR_KEYS_PER_CTA + tidx // REPAIR_THREADS_PER_KEY
