@@ -7,31 +7,25 @@ a 32-byte sector per lane) from an unswizzled ``sV8``; now eight neighbouring th
 
 Both ways must write the same bytes (checked first, packed V, d_v and the energies). Then V's absmax (with K's block
 sums for the defaults) and packed V (with the energies for the defaults), the pair that runs in a call, are timed
-interleaved call by call (``bench_attention.time_interleaved``, back to back) each way: the median us and the shipped
-way's time over the other's (the median over rounds of the ratio within a round).
+interleaved call by call each way (``probe_prep_order.compare_pack_ways``): the median us and the shipped way's time
+over the other's (the median over rounds of the ratio within a round).
 Run on a GPU from the repository root: ``python notes/probe_pack_stores.py``.
 """
-
-import os
-import statistics
-import sys
 
 import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Uint8
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from bench_attention import median_over, time_interleaved  # noqa: E402
-
-from openvc_kernels import prep_ops  # noqa: E402
-from openvc_kernels.quant import BLOCK  # noqa: E402
-from openvc_kernels.sm90 import prep  # noqa: E402
-from openvc_kernels.sm90.layout import E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS, PV_N  # noqa: E402
+from openvc_kernels import prep_ops
+from openvc_kernels.quant import BLOCK
+from openvc_kernels.sm90 import prep
+from openvc_kernels.sm90.layout import E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS
+from probe_prep_order import DTYPE, compare_pack_ways
 
 SHAPES = ((32760, 12), (75600, 40))
-BUDGET_MS = 2000
-DTYPE = torch.bfloat16
+VARIANTS = ("pack_v", "pack_v_energy")
+"""The kinds compiled with ``HalfSectorPackV`` (``compile_variant``)."""
 
 
 def _channel_major_copy(dtype, channels: int, groups: int) -> cute.TiledCopy:
@@ -94,7 +88,7 @@ class HalfSectorPackV(prep.PackV):
             mDv[b, h] = descale
 
 
-def compile_half_sector(kind: str):
+def compile_variant(kind: str):
     """``prep_ops.compile_prep(kind, DTYPE)`` with ``HalfSectorPackV``."""
     shipped = prep_ops.PackV
     prep_ops.PackV = HalfSectorPackV
@@ -104,47 +98,12 @@ def compile_half_sector(kind: str):
         prep_ops.PackV = shipped
 
 
-def probe(v, k) -> None:
-    batch, seq, heads, _ = v.shape
-    s_pad = prep_ops.num_blocks(seq) * BLOCK
-    amax = torch.zeros(batch, heads, device="cuda")
-    sums = prep_ops._empty_block_sums(k)
-    for label, absmax, kind in (
-        ("API: absmax, pack_v", lambda: prep_ops.load_prep("absmax_per_head", DTYPE)(v, amax), "pack_v"),
-        ("defaults: absmax + sums, pack_v_energy",
-         lambda: prep_ops.load_prep("absmax_and_channel_sums", DTYPE)(v, k, amax, sums), "pack_v_energy"),
-    ):
-        outputs, calls = [], []
-        for pack in (prep_ops.load_prep(kind, DTYPE), compile_half_sector(kind)):
-            packed = torch.full((batch, heads, PV_N, s_pad), 0x7F, dtype=torch.uint8, device="cuda")
-            d_v = torch.full((batch, heads), float("nan"), device="cuda")
-            energy = torch.full((batch, heads, seq), float("nan"), device="cuda") if kind == "pack_v_energy" else None
-            amax.zero_()
-            absmax()
-            pack(v, amax, packed, d_v, energy)
-            outputs.append([packed, d_v.view(torch.int32)] + ([] if energy is None else [energy.view(torch.int32)]))
-
-            def call(i, pack=pack, packed=packed, d_v=d_v, energy=energy):
-                absmax()
-                pack(v, amax, packed, d_v, energy)
-
-            calls.append(call)
-        same = all(torch.equal(a, b) for a, b in zip(*outputs))
-        print(f"  {label}: the same bytes both ways {same}", flush=True)
-        shipped, before = time_interleaved(calls, [[0], [1]], "back_to_back", BUDGET_MS)
-        print(
-            f"  {label:40s} shipped {1e3 * statistics.median(shipped):7.1f} us, before "
-            f"{1e3 * statistics.median(before):7.1f} us: {100 * median_over(shipped, before):+6.2f}%",
-            flush=True,
-        )
-
-
 def main() -> None:
     torch.manual_seed(0)
     for seq, heads in SHAPES:
         print(f"S={seq} H={heads}", flush=True)
-        q, k, v = (torch.randn(1, seq, heads, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(3))
-        probe(v, k)
+        k, v = (torch.randn(1, seq, heads, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(2))
+        compare_pack_ways(v, k, compile_variant)
 
 
 if __name__ == "__main__":
