@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL) along the attention call's launches on one stream: the rotation, the
 preparation's kernels and the forward kernel.
 
-Each of them is launched with ``use_pdl`` (``LAUNCH_OPTIONS``), so its CTAs may start while the kernel before it in
+Each of them is launched with ``use_pdl`` (``launch_options()``), so its CTAs may start while the kernel before it in
 the stream still runs its last wave (the launch latency and a CTA's setup overlap it), and each begins with
 ``follow_previous_launch()``: it waits (``griddepcontrol.wait``) until the kernel before it has completed and its
 writes are visible, as without PDL, then lets the launch after it start early (``griddepcontrol.launch_dependents``).

@@ -8,7 +8,8 @@ the first shares V's absmax launch where both run) is subtracted inside the K la
 Inputs are diffusers' ``(B, S, H, 128)`` fp16/bf16, any strides whose head-dim stride is 1 and the others
 multiples of 8 elements (16 bytes); anything else is copied once by ``prep_ops.prepare``.
 
-Four launches (five with K smoothing), stream-ordered, no host synchronisation, capturable in a CUDA graph (then
+Four launches (five with K smoothing), stream-ordered and chained by programmatic dependent launch
+(``dependent_launch``), no host synchronisation, capturable in a CUDA graph (then
 the descale guards, ``quant.apply_descale_guards``, one launch of ``sm90.guards``), and with V residual repair,
 after the tokens' choice (``repair.select_repair_tokens``, one launch of ``sm90.select``), one more:
 
