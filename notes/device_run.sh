@@ -10,7 +10,8 @@
 #             (notes/clean_wheels.sh video)
 #   bench     examples/bench_attention.py ${BENCH_ARGS} (every peer, each timed twice: BENCH_TIMEOUT default 450 s)
 #   ncu       Nsight Compute on one forward-kernel launch at each of ${NCU_SHAPES} (default 32760x12;
-#             notes/kernel_once.py)
+#             notes/kernel_once.py); the preparation's launches instead with NCU_SCRIPT=prep_once.py
+#             NCU_KERNELS="PackV|QuantizePerBlock|AbsmaxAndChannelSums|SelectRepairTokens" NCU_SKIP=5 NCU_COUNT=5
 #   pipeline  examples/bench_pipeline.py ${PIPELINE_ARGS}
 #   ulysses   torchrun examples/bench_ulysses.py on every GPU of the machine ${ULYSSES_ARGS}
 #   probe     notes/${PROBE} (default probe_variants.py; several names, split on spaces, run in turn), each a
@@ -88,11 +89,12 @@ for stage in ${STAGES:-none}; do
         | tee $OUT/generate.log | tail -n 12 ;;
     ncu)
       for shape in ${NCU_SHAPES:-32760x12}; do
-        timeout -k 5 ${NCU_TIMEOUT:-150} ncu --clock-control none -k regex:ExpCastAttentionSm90 --launch-skip 1 \
-          --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+        timeout -k 5 ${NCU_TIMEOUT:-150} ncu --clock-control none -k regex:${NCU_KERNELS:-ExpCastAttentionSm90} \
+          --launch-skip ${NCU_SKIP:-1} --launch-count ${NCU_COUNT:-1} --section SpeedOfLight \
+          --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
           --section SchedulerStats --section Occupancy --section LaunchStats \
           --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second \
-          python3 notes/kernel_once.py $shape 2>&1 | tee $OUT/ncu_$shape.log | tail -n 120
+          python3 notes/${NCU_SCRIPT:-kernel_once.py} $shape 2>&1 | tee $OUT/ncu_$shape.log | tail -n ${NCU_TAIL:-120}
       done ;;
     pipeline)
       timeout -k 5 ${PIPELINE_TIMEOUT:-400} python3 examples/bench_pipeline.py ${PIPELINE_ARGS:---size 480p,720p --steps 3} \

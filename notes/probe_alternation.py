@@ -28,10 +28,7 @@ def timed(fn) -> tuple[float, torch.Tensor]:
 
 def main() -> None:
     bench = load_bench_pipeline()
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = bench.WanTransformer3DModel(**bench.WAN_1_3B)
-    model = bench.cast_like_from_pretrained(model, torch.bfloat16).eval()
+    model = bench.build_model(bench.parse_args([]), "cuda")  # the bench's transformer, seed 0
     timers = bench.install_backends(model, ["openvc", "fa4"])
     noise, texts = bench.make_inputs(model, bench.SIZES["480p"], cfg=False, seed=0, device="cuda")
     sigmas = torch.linspace(1, 0, STEPS + 1, device="cuda")

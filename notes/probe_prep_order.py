@@ -104,7 +104,7 @@ def compile_gathering_repair_rows():
     b, h = cute.sym_int(), cute.sym_int()
     s_all, n_k, repair_keys = cute.sym_int(divisibility=BLOCK), cute.sym_int(), cute.sym_int(divisibility=BLOCK)
     return cute.compile(
-        GatheringRepairRows(), prep_ops._input_fake(prep_ops.TORCH_TO_CUTLASS[DTYPE]),
+        GatheringRepairRows(), prep_ops.input_fake(prep_ops.TORCH_TO_CUTLASS[DTYPE]),
         row_major_fake(cutlass.Int64, (b, h, cute.sym_int()), 8),
         row_major_fake(Uint8, (b, h, s_all, HEAD_DIM), 16), row_major_fake(Float32, (b, h, n_k), 4),
         row_major_fake(Uint8, (b, h, PV_N, s_all), 16), row_major_fake(Float32, (b, h), 4),
@@ -133,6 +133,12 @@ def report(label: str, shipped: list[float], before: list[float]) -> None:
 
 def probe_pack_order(v, k):
     """V's absmax then packed V, each way, for the API's kinds and the defaults' (K's sums, the energies)."""
+    compare_pack_ways(v, k, compile_pack_in_launch_order)
+
+
+def compare_pack_ways(v, k, compile_before) -> None:
+    """V's absmax then packed V, with the shipped PackV and with ``compile_before(kind)``'s, for the API's kinds and
+    the defaults' (K's sums, the energies): whether both write the same bytes, then ``report``'s times."""
     batch, seq, heads, _ = v.shape
     s_pad = prep_ops.num_blocks(seq) * BLOCK
     amax = torch.zeros(batch, heads, device="cuda")
@@ -143,7 +149,7 @@ def probe_pack_order(v, k):
          lambda: prep_ops.load_prep("absmax_and_channel_sums", DTYPE)(v, k, amax, sums), "pack_v_energy"),
     ):
         outputs, calls = [], []
-        for pack in (prep_ops.load_prep(kind, DTYPE), compile_pack_in_launch_order(kind)):
+        for pack in (prep_ops.load_prep(kind, DTYPE), compile_before(kind)):
             packed = torch.full((batch, heads, PV_N, s_pad), 0x7F, dtype=torch.uint8, device="cuda")
             d_v = torch.full((batch, heads), float("nan"), device="cuda")
             energy = torch.full((batch, heads, seq), float("nan"), device="cuda") if kind == "pack_v_energy" else None

@@ -116,10 +116,7 @@ def main(argv: list[str]) -> None:
     bench = load_bench_pipeline()
     size = argv[0] if argv else "480p"
     backends = (argv[1] if len(argv) > 1 else "openvc,fa4").split(",")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = bench.WanTransformer3DModel(**bench.WAN_1_3B)
-    model = bench.cast_like_from_pretrained(model, torch.bfloat16).eval()
+    model = bench.build_model(bench.parse_args([]), "cuda")  # the bench's transformer, seed 0
     for backend in backends:
         profile_backend(bench, model, size, backend)
 

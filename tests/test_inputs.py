@@ -29,8 +29,8 @@ OPTIONS = (
     {"repair_ratio": 0.05, "smooth_k": True, "repair_ranking": "attention"},
 )
 # rel-L2 against float64 on N(0, 1) inputs: 5.7% at S = 4096 (tests/test_reference.py); over a few rows the error
-# varies more (up to 7.1% on one or two rows, measured).
-BOUND, FEW_ROWS_BOUND = 0.065, 0.1
+# varies more, and one row alone most (its tail over seeds: notes/kernel.md, 2026-12-04, "A flaky bound").
+BOUND, FEW_ROWS_BOUND, ONE_ROW_BOUND = 0.065, 0.1, 0.125
 
 
 def randn(*shape, dtype=torch.bfloat16):
@@ -50,7 +50,8 @@ def test_every_shape_of_the_grid(batch, s_q, s_k, fresh_seed):
     out = openvc_kernels.reference_attention(q, k, v, **options)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     err = rel_l2(out, exact_attention(q, k, v))
-    bound = BOUND if batch * s_q * heads >= 64 else FEW_ROWS_BOUND
+    rows = batch * s_q * heads
+    bound = BOUND if rows >= 64 else FEW_ROWS_BOUND if rows > 1 else ONE_ROW_BOUND
     assert err <= bound, f"seed {fresh_seed}, H={heads}, {dtype}, {options}: rel-L2 {err:.4f}"
     if batch == 2:  # batch rows do not mix: the second alone gives its rows bit for bit
         assert torch.equal(out[1:], openvc_kernels.reference_attention(q[1:], k[1:], v[1:], **options))

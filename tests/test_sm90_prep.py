@@ -60,6 +60,23 @@ def test_permutation_layout_is_chunk_key():
     assert all(p // prep.KEYS_PER_STORE == k // prep.KEYS_PER_STORE for p, k in enumerate(keys))
 
 
+def test_a_byte_read_of_packed_v_takes_eight_banks():
+    """PackV reads ``sV8[key, channel]`` a byte at a time through the key permutation: lane l of warp w takes channel
+    4 w + l // 8 + 32 i at position 16 (l % 8) + j. ``SV8_SWIZZLE`` must put the 8 key rows of such a read in 8
+    different banks (one wavefront; 4 lanes share each word), leave each token's 16-byte chunks whole (the token-major
+    stores), and move no byte outside the 16 KiB tile."""
+    bits, base, shift = prep.SV8_SWIZZLE
+    swizzle = lambda offset: offset ^ (((offset >> (base + shift)) & ((1 << bits) - 1)) << base)
+    tile = BLOCK * prep.HEAD_DIM
+    assert sorted(map(swizzle, range(tile))) == list(range(tile))
+    assert all(swizzle(offset) % 16 == offset % 16 for offset in range(tile))
+    for j in range(prep.KEYS_PER_STORE):
+        for first_channel in range(0, prep.HEAD_DIM, 4):
+            words = {swizzle((16 * (lane % 8) + KEY_PERMUTATION[j]) * prep.HEAD_DIM + first_channel + lane // 8) // 4
+                     for lane in range(32)}
+            assert len(words) == len({word % 32 for word in words}) == 8
+
+
 def test_the_block_sum_order_is_the_load_layout_s():
     """``quant.BLOCK_SUM_ORDER`` (the reference's order) is how ChannelSumsPerBlock's threads hold a block:
     4 passes of 32 tokens, 8 warps of 4 token rows; its butterfly pairs rows r and r ^ 1, then the pairs."""
@@ -112,7 +129,13 @@ for kind, dtype in prep_variants:
                 int(constants[value]) for value in re.findall(rf"llvm\\.store (%\\d+), {field} : i64", function)
                 if value in constants
             ]
+    # Programmatic dependent launch (sm90.dependent_launch): no global memory access before griddepcontrol.wait.
+    wait_at = next((i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")), len(lines))
+    touches_global = lambda line: re.match(r"^(@!?%p\\d+\\s+)?((ld|st|atom|red)\\.global|cp\\.async\\.bulk)", line)
     out[f"{kind}/{dtype}"] = {
+        "waits": wait_at < len(lines),
+        "lets_next_start": any(line.startswith("griddepcontrol.launch_dependents") for line in lines),
+        "global_before_wait": [line for line in lines[:wait_at] if touches_global(line)],
         "ops": ops,
         "loops": loops,
         "launch_smem": launch_smem,
@@ -203,6 +226,17 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
         # 8 lanes for each of the 4 tokens, and one 4-byte store per token (plus d_v's).
         assert ops.get("cvt.rn.f16x2.e4m3x2") == 32 and ops.get("mul.rn.f32") == 64  # d_v * V8 rounded alone
         assert ops.get("shfl.sync.bfly.b32") == 12 and ops.get("st.global.b32") == 4 + 1
+
+
+@pytest.mark.parametrize("kind,dtype", VARIANTS)
+def test_a_launch_waits_for_the_one_before_it_to_touch_memory(ptx_ops, kind, dtype):
+    """``sm90.dependent_launch``: every kernel of a call's chain (all but the tokens' choice, which runs on a stream
+    of its own) waits for the launch before it ahead of its first global load or store, then lets the next start."""
+    compiled = ptx_ops[f"{kind}/{dtype}"]
+    chained = kind not in prep_ops.SELECT_KINDS
+    assert compiled["waits"] == chained and compiled["lets_next_start"] == chained
+    if chained:
+        assert compiled["global_before_wait"] == []
 
 
 @pytest.mark.parametrize("kind", prep_ops.SELECT_KINDS)

@@ -45,6 +45,7 @@ from . import pieces, softmax
 from .ptx import mul_rn
 from .barriers import NamedBarrier
 from .config import ForwardConfig
+from .dependent_launch import follow_previous_launch, launch_options
 from .layout import CHUNK, PV_N
 
 FP8 = cutlass.Float8E4M3FN
@@ -278,6 +279,7 @@ class ExpCastAttentionSm90:
             block=[WG_THREADS * (1 + CONSUMER_WGS), 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
+            **launch_options(),
         )
 
     @cute.kernel
@@ -315,6 +317,7 @@ class ExpCastAttentionSm90:
         tiled_mma_pv: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
+        follow_previous_launch()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v):

@@ -33,6 +33,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32
 
+from .dependent_launch import follow_previous_launch, launch_options
 from .float_bits import EXPONENT_BITS, MAGNITUDE_BITS
 from .ptx import mul_rn
 
@@ -83,11 +84,13 @@ class DescaleGuards:
         """mDq (B, H, n_q), mDk (B, H, n_k), mDv (B, H) fp32, as quantization wrote them; d_q and d_v are rewritten.
         ``numerator``: ``quant.code_span_numerator(softmax_scale, head_dim)``."""
         self.kernel(mDq, mDk, mDv, numerator).launch(
-            grid=[mDq.shape[1], mDq.shape[0], 1], block=[THREADS, 1, 1], stream=stream
+            grid=[mDq.shape[1], mDq.shape[0], 1], block=[THREADS, 1, 1], stream=stream,
+            **launch_options(),
         )
 
     @cute.kernel
     def kernel(self, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, numerator: Float32):
+        follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()

@@ -8,7 +8,8 @@ the first shares V's absmax launch where both run) is subtracted inside the K la
 Inputs are diffusers' ``(B, S, H, 128)`` fp16/bf16, any strides whose head-dim stride is 1 and the others
 multiples of 8 elements (16 bytes); anything else is copied once by ``prep_ops.prepare``.
 
-Four launches (five with K smoothing), stream-ordered, no host synchronisation, capturable in a CUDA graph (then
+Four launches (five with K smoothing), stream-ordered and chained by programmatic dependent launch
+(``dependent_launch``), no host synchronisation, capturable in a CUDA graph (then
 the descale guards, ``quant.apply_descale_guards``, one launch of ``sm90.guards``), and with V residual repair,
 after the tokens' choice (``repair.select_repair_tokens``, one launch of ``sm90.select``), one more:
 
@@ -41,6 +42,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint8
 
 from ..quant import ABSMAX_FLOOR, BLOCK, FP8_MAX, MEAN_SEGMENTS, MEAN_TOKEN_STRIDE
+from .dependent_launch import follow_previous_launch, launch_options
 from .layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS
 from .ptx import mul_rn
 
@@ -59,6 +61,13 @@ MEAN_THREADS = MEAN_SEGMENTS * HEAD_DIM
 """ChannelMean: one thread per (segment, channel)."""
 KEYS_PER_STORE = 16
 """Packed V: consecutive key positions one thread stores (16 bytes) for one channel."""
+STORES_PER_ROW = BLOCK // KEYS_PER_STORE
+"""Packed V: the neighbouring threads that store one row's 128 positions of a block: a warp writes whole 128-byte
+rows, full 32-byte sectors."""
+SV8_SWIZZLE = (3, 4, 7)
+"""Packed V's ``sV8[key, channel]``: the 16-byte chunk of a row (byte-offset bits 4-6) XOR key bits 4-6 (offset bits
+11-13). The 8 key rows a warp's byte read takes (positions 16 g + i, keys 16 g + (0..15)) then sit in 8 different
+banks; the token-major 16-byte stores stay whole (bits 0-3 are not swizzled)."""
 PERMUTATION_SHAPE = ((2, 2, 4, 2), BLOCK // CHUNK)
 PERMUTATION_STRIDE = ((1, 8, 2, 16), CHUNK)
 """Packed-V position -> key within the block, ``layout.chunk_key`` as a layout: position
@@ -76,12 +85,13 @@ def token_major_copy(dtype: type[cutlass.Numeric]) -> cute.TiledCopy:
     return cute.make_tiled_copy_tv(atom, thr, val)
 
 
-def _channel_major_copy(dtype: type[cutlass.Numeric], channels: int, groups: int) -> cute.TiledCopy:
-    """A (channels, positions) tile of packed V: thread t takes channel t % channels, position group t // channels.
+def _row_major_copy(dtype: type[cutlass.Numeric], rows: int) -> cute.TiledCopy:
+    """A (rows, positions) tile of packed V: thread t takes row t // 8 and positions 16 (t % 8) + (0..15), so eight
+    neighbouring threads store one row's 128 bytes.
 
-    thr (channels, groups):(1, channels), val (1, 16): 16 consecutive key positions, one 16-byte store.
+    thr (rows, 8):(8, 1), val (1, 16): 16 consecutive key positions, one 16-byte store.
     """
-    thr = cute.make_layout((channels, groups), stride=(1, channels))
+    thr = cute.make_layout((rows, STORES_PER_ROW), stride=(STORES_PER_ROW, 1))
     val = cute.make_layout((1, KEYS_PER_STORE))
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
     return cute.make_tiled_copy_tv(atom, thr, val)
@@ -224,11 +234,13 @@ class QuantizePerBlock:
         """mX (B, S, H, 128) fp16/bf16; mX8 (B, H, S_pad, 128) uint8, rows contiguous; mD (B, H, n_blocks) fp32;
         mMean (B, H, 128) fp32 channel means to subtract, or None."""
         self.kernel(mX, mX8, mD, mMean).launch(
-            grid=[mD.shape[2], mD.shape[1], mD.shape[0]], block=[THREADS, 1, 1], stream=stream
+            grid=[mD.shape[2], mD.shape[1], mD.shape[0]], block=[THREADS, 1, 1], stream=stream,
+            **launch_options(),
         )
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mX8: cute.Tensor, mD: cute.Tensor, mMean: cute.Tensor | None):
+        follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -310,11 +322,13 @@ class ChannelSumsPerBlock:
     def __call__(self, mK: cute.Tensor, mSums: cute.Tensor, stream: cuda.CUstream):
         """mK (B, S, H, 128) fp16/bf16; mSums (B, H, n_blocks, 128) fp32."""
         self.kernel(mK, mSums).launch(
-            grid=[mSums.shape[2], mSums.shape[1], mSums.shape[0]], block=[THREADS, 1, 1], stream=stream
+            grid=[mSums.shape[2], mSums.shape[1], mSums.shape[0]], block=[THREADS, 1, 1], stream=stream,
+            **launch_options(),
         )
 
     @cute.kernel
     def kernel(self, mK: cute.Tensor, mSums: cute.Tensor):
+        follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         warp_sums = _allocate_warp_sums(cutlass.memory.SmemAllocator())
@@ -334,11 +348,13 @@ class ChannelMean:
         """mSums (B, H, n_blocks, 128) fp32 (``ChannelSumsPerBlock``); mMean (B, H, 128) fp32; ``tokens``
         ``quant.mean_tokens(S)``."""
         self.kernel(mSums, mMean, tokens).launch(
-            grid=[mMean.shape[1], mMean.shape[0], 1], block=[MEAN_THREADS, 1, 1], stream=stream
+            grid=[mMean.shape[1], mMean.shape[0], 1], block=[MEAN_THREADS, 1, 1], stream=stream,
+            **launch_options(),
         )
 
     @cute.kernel
     def kernel(self, mSums: cute.Tensor, mMean: cute.Tensor, tokens: Int32):
+        follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -370,11 +386,13 @@ class AbsmaxPerHead:
         """mV (B, S, H, 128) fp16/bf16; mAmax (B, H) fp32, zeroed."""
         n_blocks = cute.ceil_div(mV.shape[1], BLOCK)
         self.kernel(mV, mAmax).launch(
-            grid=[n_blocks, mV.shape[2], mV.shape[0]], block=[THREADS, 1, 1], stream=stream
+            grid=[n_blocks, mV.shape[2], mV.shape[0]], block=[THREADS, 1, 1], stream=stream,
+            **launch_options(),
         )
 
     @cute.kernel
     def kernel(self, mV: cute.Tensor, mAmax: cute.Tensor):
+        follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -394,11 +412,13 @@ class AbsmaxAndChannelSums:
         """mV, mK (B, S, H, 128) fp16/bf16 of the same shape; mAmax (B, H) fp32, zeroed; mSums (B, H, n_blocks,
         128) fp32."""
         self.kernel(mV, mK, mAmax, mSums).launch(
-            grid=[mSums.shape[2], mSums.shape[1], mSums.shape[0]], block=[THREADS, 1, 1], stream=stream
+            grid=[mSums.shape[2], mSums.shape[1], mSums.shape[0]], block=[THREADS, 1, 1], stream=stream,
+            **launch_options(),
         )
 
     @cute.kernel
     def kernel(self, mV: cute.Tensor, mK: cute.Tensor, mAmax: cute.Tensor, mSums: cute.Tensor):
+        follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -418,7 +438,8 @@ class PackV:
     each token's residual energy, which ranks the V residual repair candidates.
 
     Grid (n_blocks, H, B). The block goes through shared memory as E4M3 ``sV8[key, channel]`` (128 x 128
-    bytes, row-major); packed V reads it back through ``(channel, position) -> sV8[perm(position), channel]``.
+    bytes, row-major, 16-byte chunks swizzled: ``SV8_SWIZZLE``); packed V reads it back through
+    ``(channel, position) -> sV8[perm(position), channel]`` and stores whole rows (``_row_major_copy``).
     ``last_read_first``: CTA (x, y, z) takes block (n_blocks - 1 - x, H - 1 - y, B - 1 - z), so that the CTAs
     launched first read the blocks V's absmax launch (pass 1, right before) read last, which L2 may still hold
     (False: block (x, y, z), for ``notes/probe_prep_order.py``).
@@ -441,22 +462,27 @@ class PackV:
         mDv (B, H) fp32; mEnergy (B, H, S) fp32 or None."""
         n_blocks = cute.ceil_div(mV.shape[1], BLOCK)
         self.kernel(mV, mAmax, mVp, mDv, mEnergy).launch(
-            grid=[n_blocks, mV.shape[2], mV.shape[0]], block=[THREADS, 1, 1], stream=stream
+            grid=[n_blocks, mV.shape[2], mV.shape[0]], block=[THREADS, 1, 1], stream=stream,
+            **launch_options(),
         )
 
     @cute.kernel
     def kernel(
         self, mV: cute.Tensor, mAmax: cute.Tensor, mVp: cute.Tensor, mDv: cute.Tensor, mEnergy: cute.Tensor | None
     ):
+        follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         if cutlass.const_expr(self.last_read_first):
             blocks, heads, batch = cute.arch.grid_dim()
             n, h, b = blocks - 1 - n, heads - 1 - h, batch - 1 - b
         smem = cutlass.memory.SmemAllocator()
-        # sV8: (key 128, channel 128):(128, 1) bytes.
+        # sV8: (key 128, channel 128):(128, 1) bytes, Swizzle<3,4,7> on the byte offset.
+        swizzle = cute.make_swizzle(*SV8_SWIZZLE)
         sV8 = smem.allocate_tensor(
-            cutlass.Float8E4M3FN, cute.make_layout((BLOCK, HEAD_DIM), stride=(HEAD_DIM, 1)), byte_alignment=16
+            cutlass.Float8E4M3FN,
+            cute.make_composed_layout(swizzle, 0, cute.make_layout((BLOCK, HEAD_DIM), stride=(HEAD_DIM, 1))),
+            byte_alignment=1024,
         )
 
         x = load_block(mV, b, h, n, tidx).load().to(Float32)
@@ -471,16 +497,20 @@ class PackV:
         cute.arch.barrier()
 
         # Packed tile (channel 128, position 128) -> sV8[perm(position), channel]:
-        # (128, ((2,2,4,2),4)):(1, ((128,1024,256,2048),4096)) bytes. Thread t stores channel t % 128,
-        # positions 16 (t // 128) + 32 i + (0..15), i = 0..3: a warp reads 32 channels of one key row
-        # (one smem wavefront) and writes 16 bytes to each of 32 packed rows.
+        # (128, ((2,2,4,2),4)):(1, ((128,1024,256,2048),4096)) bytes, then the swizzle. Thread t stores channels
+        # t // 8 + 32 i, i = 0..3, positions 16 (t % 8) + (0..15): each byte read of a warp takes 4 channels of 8
+        # key rows 16 apart (8 banks by the swizzle, one wavefront), and each store writes 4 whole packed rows.
         sPacked = cute.make_tensor(
             sV8.iterator,
-            cute.make_layout((HEAD_DIM, PERMUTATION_SHAPE), stride=(1, _scaled(PERMUTATION_STRIDE, HEAD_DIM))),
+            cute.make_composed_layout(
+                swizzle,
+                0,
+                cute.make_layout((HEAD_DIM, PERMUTATION_SHAPE), stride=(1, _scaled(PERMUTATION_STRIDE, HEAD_DIM))),
+            ),
         )
         mVp_bh = mVp[b, h, None, None]
         gVp = cute.local_tile(cute.recast_tensor(mVp_bh, cutlass.Float8E4M3FN), (HEAD_DIM, BLOCK), (0, n))
-        packed_copy = _channel_major_copy(cutlass.Float8E4M3FN, HEAD_DIM, THREADS // HEAD_DIM)
+        packed_copy = _row_major_copy(cutlass.Float8E4M3FN, THREADS // STORES_PER_ROW)
         thr_packed = packed_copy.get_slice(tidx)
         tPgP = thr_packed.partition_D(gVp)
         tPrP = cute.make_rmem_tensor_like(tPgP)
@@ -488,14 +518,14 @@ class PackV:
         cute.copy(packed_copy, tPrP, tPgP)
 
         # Ones rows 128..135: 1.0 for real keys, 0 for padding; threads 0..63 store 16 positions each.
-        if tidx < ONES_ROWS * (BLOCK // KEYS_PER_STORE):
-            ones_copy = _channel_major_copy(Uint8, ONES_ROWS, BLOCK // KEYS_PER_STORE)
+        if tidx < ONES_ROWS * STORES_PER_ROW:
+            ones_copy = _row_major_copy(Uint8, ONES_ROWS)
             gOnes = cute.local_tile(mVp_bh, (ONES_ROWS, BLOCK), (HEAD_DIM // ONES_ROWS, n))
             tOgO = ones_copy.get_slice(tidx).partition_D(gOnes)
             tOrO = cute.make_rmem_tensor_like(tOgO)
             tOrO.fill(0)
             # This thread's positions 16 g + i hold keys 16 g + KEY_PERMUTATION[i] (halves map to halves).
-            first_key = n * BLOCK + (tidx // ONES_ROWS) * KEYS_PER_STORE
+            first_key = n * BLOCK + (tidx % STORES_PER_ROW) * KEYS_PER_STORE
             for i in cutlass.range_constexpr(KEYS_PER_STORE):
                 if first_key + KEY_PERMUTATION[i] < mV.shape[1]:
                     tOrO[i] = Uint8(E4M3_ONE)
@@ -556,6 +586,7 @@ class RepairRows:
             grid=[mDkRepair.shape[2] // REPAIR_KEYS_PER_CTA, mDkRepair.shape[1], mDkRepair.shape[0]],
             block=[THREADS, 1, 1],
             stream=stream,
+            **launch_options(),
         )
 
     @cute.kernel
@@ -571,6 +602,7 @@ class RepairRows:
         mDkRepair: cute.Tensor,
         mTileRepair: cute.Tensor,
     ):
+        follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         key = n * REPAIR_KEYS_PER_CTA + tidx // REPAIR_THREADS_PER_KEY

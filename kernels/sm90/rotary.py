@@ -24,6 +24,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from ..quant import BLOCK
+from .dependent_launch import follow_previous_launch, launch_options
 from .layout import HEAD_DIM
 from .prep import CHANNELS_PER_THREAD, THREADS, block_coords, load_block, token_major_copy
 from .ptx import mul_rn
@@ -95,7 +96,8 @@ class RotaryQK:
         """mQ, mK, mQOut, mKOut (B, S, H, 128) fp16/bf16, all of one shape; mCos, mSin (S, 128) fp32."""
         n_blocks = cute.ceil_div(mQ.shape[1], BLOCK)
         self.kernel(mQ, mK, mCos, mSin, mQOut, mKOut).launch(
-            grid=[n_blocks, mQ.shape[0], 1], block=[THREADS, 1, 1], stream=stream
+            grid=[n_blocks, mQ.shape[0], 1], block=[THREADS, 1, 1], stream=stream,
+            **launch_options(),
         )
 
     @cute.kernel
@@ -108,6 +110,7 @@ class RotaryQK:
         mQOut: cute.Tensor,
         mKOut: cute.Tensor,
     ):
+        follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         n, b, _ = cute.arch.block_idx()
         cos, sin = load_angles(mCos, mSin, block_coords(mQ, n, tidx))
