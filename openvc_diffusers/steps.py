@@ -53,10 +53,11 @@ class StepTracker:
             return
         # A copy, not a view: the pipeline's tensor may change before it is read.
         self._pending.append(torch.as_tensor(timestep).flatten()[0].clone())
-        if self.watched or len(self._pending) >= self.PENDING_LIMIT:
-            self._read_pending()
         if self.watched:
+            self._read_pending()
             self.watched_step = self._step if self._step in self.watched else None
+        elif len(self._pending) >= self.PENDING_LIMIT:
+            self._read_pending()
 
     def _read_pending(self) -> None:
         """Number the steps of the timesteps kept since the last read: one synchronization for all of them."""

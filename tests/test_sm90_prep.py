@@ -89,6 +89,7 @@ import collections, json, re, sys, torch
 from openvc_kernels import prep_ops
 out = {}
 opcode = lambda line: re.match(r"^(?:@!?%p\\d+\\s+)?([a-z][a-z0-9_.:]*)", line)
+touches_global = lambda line: re.match(r"^(@!?%p\\d+\\s+)?((ld|st|atom|red)\\.global|cp\\.async\\.bulk)", line)
 for kind, dtype in prep_variants:
     compiled = prep_ops.compile_prep(kind, dtype and getattr(torch, dtype.removeprefix("torch.")))
     ptx = compiled.artifacts.PTX
@@ -131,7 +132,6 @@ for kind, dtype in prep_variants:
             ]
     # Programmatic dependent launch (sm90.dependent_launch): no global memory access before griddepcontrol.wait.
     wait_at = next((i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")), len(lines))
-    touches_global = lambda line: re.match(r"^(@!?%p\\d+\\s+)?((ld|st|atom|red)\\.global|cp\\.async\\.bulk)", line)
     out[f"{kind}/{dtype}"] = {
         "waits": wait_at < len(lines),
         "lets_next_start": any(line.startswith("griddepcontrol.launch_dependents") for line in lines),
