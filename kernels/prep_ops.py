@@ -7,7 +7,6 @@ symbolic, no GPU needed (``compile_cache`` keeps the compiled kernels). ``prepar
 """
 
 import functools
-import threading
 from typing import Callable, NamedTuple
 
 import cutlass
@@ -32,11 +31,12 @@ INPUT_ALIGN = 16
 TORCH_TO_CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 
 PREP_KINDS = (
-    "channel_sums_per_block", "channel_mean", "quantize_per_block", "quantize_centered_per_block",
+    "channel_sums_per_block", "channel_mean", "quantize_q", "quantize_per_block", "quantize_centered_per_block",
     "absmax_per_head", "absmax_and_channel_sums", "pack_v", "pack_v_energy", "select_repair_tokens",
     "select_repair_tokens_resident", "repair_rows", "descale_guards",
 )
-"""The compiled kernels: K's channel mean in two passes (smooth_k), quantize Q or K, K minus its channel mean,
+"""The compiled kernels: K's channel mean in two passes (smooth_k), quantize Q (starting beside the launch before
+it: ``sm90.dependent_launch``), quantize K, K minus its channel mean,
 V's absmax (alone, or with the mean's first pass over K), packed V without and with the residual energies, for V
 residual repair the choice of its tokens (reading the score row from global memory in every pass, or, for
 S <= ``RESIDENT_MAX_TOKENS``, once into shared memory: ``select_kind``) and their repair keys, and the descale
@@ -111,7 +111,7 @@ def compile_prep(kind: str, dtype: torch.dtype | None = None):
     elif kind.startswith("quantize"):
         mean = row_major_fake(Float32, (b, h, HEAD_DIM), 16) if kind == "quantize_centered_per_block" else None
         x8, d = _rows_fake((b, h, s_pad, HEAD_DIM)), row_major_fake(Float32, (b, h, cute.sym_int()), 4)
-        args = (QuantizePerBlock(), x, x8, d, mean)
+        args = (QuantizePerBlock(beside_previous=kind == "quantize_q"), x, x8, d, mean)
     elif kind == "absmax_per_head":
         args = (AbsmaxPerHead(), x, per_head)
     elif kind == "absmax_and_channel_sums":
@@ -188,17 +188,18 @@ def prepare_into(
 
     Five launches on the current stream (four with ``v_absmax``): V's absmax, pack V, quantize Q, quantize K, then
     the descale guards in place on ``out.d_q`` and ``out.d_v`` (``sm90.guards``); K smoothing without ``k_mean``
-    adds K's mean before Q's: its first pass over K in V's absmax launch (``sm90.prep.AbsmaxAndChannelSums``; with
-    ``v_absmax``, ``channel_mean``'s launch of its own), then one launch (``ChannelMean``). Nothing waits on the
-    host, so a call can be captured in a CUDA graph.
+    adds K's mean before K's quantization: its first pass over K in V's absmax launch
+    (``sm90.prep.AbsmaxAndChannelSums``; with ``v_absmax``, ``channel_mean``'s launch of its own), then one launch
+    (``ChannelMean``). Nothing waits on the host, so a call can be captured in a CUDA graph.
     """
     kernels = load_kernels(q.dtype, smooth_k=smooth_k, energy=residual_energy is not None)
     ready_q, ready_k, ready_v = kernel_ready(q), kernel_ready(k), kernel_ready(v)
     k_for_sums = ready_k if smooth_k and k_mean is None else None
     amax_v, k_sums = _launch_absmax(kernels, ready_v, k_for_sums, v_absmax)
     _launch_pack(kernels, ready_v, amax_v, out, residual_energy)
+    kernels.quantize_q(ready_q, out.q8, out.d_q, None)
     mean_k = smoothing_mean(ready_k, k_mean, k_sums) if smooth_k else None
-    _launch_qk(kernels, ready_q, ready_k, out, mean_k, softmax_scale)
+    _launch_k(kernels, ready_k, out, mean_k, softmax_scale)
     return out
 
 
@@ -236,7 +237,9 @@ def smoothing_mean(
 
 class PrepKernels(NamedTuple):
     """The five compiled kernels of ``prepare_into`` (``load_kernels``): Q's and K's quantization, V's absmax and
-    packed V, the descale guards."""
+    packed V, the descale guards. Q's is launched right after packed V or the tokens' choice, whose launches wait
+    for the kernels before them, into buffers allocated before them: the rule of a kernel that starts beside the
+    launch before it (``sm90.dependent_launch``)."""
 
     quantize_q: Callable
     quantize_k: Callable
@@ -267,11 +270,10 @@ def _launch_pack(kernels: PrepKernels, v, amax_v: torch.Tensor, out: Prepared, r
     kernels.pack_v(v, amax_v, out.v_packed[..., :s_pad], out.d_v, residual_energy)
 
 
-def _launch_qk(kernels: PrepKernels, q, k, out: Prepared, mean_k, softmax_scale) -> None:
-    """Q's and K's quantization (K minus ``mean_k`` where given), then the descale guards, which read V's scale
-    too: after ``_launch_pack``."""
+def _launch_k(kernels: PrepKernels, k, out: Prepared, mean_k, softmax_scale) -> None:
+    """K's quantization (K minus ``mean_k`` where given), then the descale guards, which read Q's and V's scales
+    too: after Q's quantization and ``_launch_pack``."""
     s_pad = num_blocks(out.seqlen_k) * BLOCK
-    kernels.quantize_q(q, out.q8, out.d_q, None)
     kernels.quantize_k(k, out.k8[:, :, :s_pad], out.d_k, mean_k)
     numerator = code_span_numerator(softmax_scale_or_default(softmax_scale, HEAD_DIM), HEAD_DIM)
     kernels.guards(out.d_q, out.d_k, out.d_v, numerator)
@@ -281,7 +283,7 @@ def load_kernels(dtype: torch.dtype, *, smooth_k: bool, energy: bool) -> PrepKer
     """The five compiled kernels of ``prepare_into`` (quantize Q, quantize K, V's absmax, pack V, the descale
     guards), for inputs of ``dtype``, K smoothing and residual energies (V residual repair) as given."""
     return PrepKernels(
-        quantize_q=load_prep("quantize_per_block", dtype),
+        quantize_q=load_prep("quantize_q", dtype),
         quantize_k=load_prep("quantize_centered_per_block" if smooth_k else "quantize_per_block", dtype),
         absmax_v=load_prep("absmax_per_head", dtype),
         pack_v=load_prep("pack_v_energy" if energy else "pack_v", dtype),
@@ -306,8 +308,8 @@ def prepare(
     where two tokens nearly tie). With repair: the five launches of ``prepare_into``, the ranking's ops (none for
     the "energy" ranking), one launch choosing the tokens (``sm90.select.SelectRepairTokens``, the rule of
     ``repair.select_repair_tokens``; its variant for S_k: ``select_kind``) and one for the repair keys
-    (``sm90.prep.RepairRows``). The choice runs on a stream of its own (``_side_stream``) while Q and K are
-    quantized, forked from and joined back into the current stream (capturable in a CUDA graph as well).
+    (``sm90.prep.RepairRows``). The choice takes one SM per head; Q's quantization, launched next, starts beside it
+    on the others (``sm90.dependent_launch``).
     Arguments are checked by the caller (``validation``, ``support``): same device, dtype, batch and heads.
     """
     batch, seq_q, heads, _ = q.shape
@@ -326,54 +328,15 @@ def prepare(
             energy, ready_q, ready_k, ranking=options.repair_ranking, softmax_scale=options.softmax_scale
         ).contiguous()
         tokens = torch.empty(batch, heads, count, dtype=torch.int64, device=q.device)
-        # The choice runs on a few SMs (one CTA per head): beside Q's and K's quantization, not before them.
-        # (torch.cuda.set_stream rather than the torch.cuda.stream context: a third of its host time.)
-        here, aside = _current_stream(q.device), _side_stream(q.device, threading.get_ident())
-        aside.fork.record(here)
-        aside.stream.wait_event(aside.fork)
-        torch.cuda.set_stream(aside.stream)
-        try:
-            load_prep(select_kind(score.shape[-1]))(score, tokens)
-        finally:
-            torch.cuda.set_stream(here)
+        load_prep(select_kind(score.shape[-1]))(score, tokens)
+    # Beside the choice, on the SMs it leaves idle (or beside packed V's last CTAs).
+    kernels.quantize_q(ready_q, out.q8, out.d_q, None)
     mean_k = smoothing_mean(ready_k, k_mean, k_sums) if options.smooth_k else None
-    _launch_qk(kernels, ready_q, ready_k, out, mean_k, options.softmax_scale)
+    _launch_k(kernels, ready_k, out, mean_k, options.softmax_scale)
     if count:
-        aside.join.record(aside.stream)
-        here.wait_event(aside.join)
         repair_rows = load_prep("repair_rows", v.dtype)
         repair_rows(
             ready_v, amax_v, tokens, out.k8, out.d_k, out.v_packed, out.d_v, out.d_k_repair, out.tile_repair
         )
     return out
 
-
-class SideStream(NamedTuple):
-    """The stream ``prepare`` runs the repair tokens' choice on, beside the caller's, and the two events that fork it
-    from the caller's stream and join it back, made once rather than two new events a call (host time)."""
-
-    stream: torch.cuda.Stream
-    fork: torch.cuda.Event
-    join: torch.cuda.Event
-
-
-def _current_stream(device: torch.device) -> torch.cuda.Stream:
-    """``torch.cuda.current_stream(device)`` for the device of a CUDA tensor (its index set, CUDA initialized), the
-    Stream object made once per stream (``_stream``) rather than on every call (host time)."""
-    return _stream(torch._C._cuda_getCurrentStream(device.index))
-
-
-@functools.lru_cache(maxsize=64)
-def _stream(stream_data: tuple[int, int, int]) -> torch.cuda.Stream:
-    """The Stream object of ``torch._C._cuda_getCurrentStream``'s ``(stream_id, device_index, device_type)``: it
-    holds these three numbers only, so one object serves every call on that stream."""
-    stream_id, device_index, device_type = stream_data
-    return torch.cuda.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
-
-
-@functools.cache
-def _side_stream(device: torch.device, thread: int) -> SideStream:
-    """``prepare``'s side stream on ``device`` for the calling ``thread`` (its events are recorded and waited for in
-    turn, so no two threads share them): high priority, so that the choice's few CTAs take SMs as soon as the
-    energies are written, ahead of the quantization's many."""
-    return SideStream(torch.cuda.Stream(device, priority=-1), torch.cuda.Event(), torch.cuda.Event())

@@ -72,8 +72,8 @@ def main() -> None:
     repaired = prep.prepare(q, k, v, PrepareOptions(repair_ratio=REPAIR_RATIO))
     kernels = {
         "copy (torch, one input)": (lambda: copy_dst.copy_(q), 2 * x_bytes),
-        "quantize_per_block (Q)": (
-            lambda: prep.load_prep("quantize_per_block", q.dtype)(q, out.q8, out.d_q, None),
+        "quantize_q (Q)": (
+            lambda: prep.load_prep("quantize_q", q.dtype)(q, out.q8, out.d_q, None),
             x_bytes + x8_bytes,
         ),
         "absmax_per_head (V)": (lambda: prep.load_prep("absmax_per_head", v.dtype)(v, amax), x_bytes),

@@ -26,7 +26,7 @@ STEPS = {
     ops: ("_check_kernel_args", "_prepare_checked", "attention_prepared", "forward_args", "_split_workspace"),
     prep_ops: (
         "load_kernels", "kernel_ready", "_launch_absmax", "empty_prepared", "_launch_pack", "repair_score",
-        "smoothing_mean", "_launch_qk", "load_prep",
+        "smoothing_mean", "_launch_k", "load_prep",
     ),
 }
 
@@ -104,7 +104,6 @@ def primitives(seq: int, heads: int) -> dict[str, float]:
         "two reused events recorded and waited": host_us(fork_join_reused),
         "torch.cuda.set_stream there and back": host_us(set_stream_twice),
         "torch.cuda.current_stream": host_us(lambda: torch.cuda.current_stream(device)),
-        "prep_ops._current_stream": host_us(lambda: prep_ops._current_stream(here.device)),
         "load_prep lookup": host_us(lambda: prep_ops.load_prep("channel_mean")),
         "a tvm-ffi launch (ChannelMean, 3 args)": host_us(lambda: channel_mean(sums, mean, seq)),
         "functools.cache lookup (ops.sm_count)": host_us(functools.partial(ops.sm_count, device)),

@@ -3,7 +3,7 @@
 Runs ``openvc_kernels.attention`` back to back at the bench shapes, with the API's defaults and with the
 processor's (``OpenVCConfig().kernel_options``), and prints per GPU operation of one call (in the order they
 start) its median duration and the median gap before it (from the end of the operation that started last before
-it; negative where the side stream's one runs beside it); then the call's span and its host time (the calls
+it; negative where one runs beside the one before it); then the call's span and its host time (the calls
 enqueued after a synchronize, wall time per call), and for calls made each alone how long the GPU waits for the
 forward kernel's launch. At ``HOST_PROFILE_SHAPE`` also where that host time goes: cProfile's functions of most
 own time over the same calls.
@@ -60,7 +60,7 @@ def profile_call(seq: int, heads: int, name: str) -> None:
     per_call = len(kernels) // CALLS
     rows = {}
     for c in range(1, CALLS):  # the first call waits on nothing before it
-        # Keyed by kernel and occurrence, not position: the side stream's operation starts in varying order.
+        # Keyed by kernel and occurrence, not position: operations that run beside each other start in varying order.
         occurrences = collections.Counter()
         for i in range(c * per_call, (c + 1) * per_call):
             e = kernels[i]
@@ -93,7 +93,7 @@ def profile_call(seq: int, heads: int, name: str) -> None:
 def forward_lead(ops: list) -> tuple[float, float, int]:
     """For one call's GPU operations (profiler events in start order, the forward kernel among them): the time from the
     first one to the forward kernel's start, how much of it the GPU sat idle (waiting for the host's launches;
-    overlapping operations, the side stream's, count once), and the forward kernel's index in ``ops``."""
+    overlapping operations count once), and the forward kernel's index in ``ops``."""
     forward = next(i for i, e in enumerate(ops) if "ExpCastAttentionSm90" in e.name)
     busy_until, busy = ops[0].time_range.start, 0.0
     for e in ops[:forward]:

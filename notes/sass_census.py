@@ -26,7 +26,7 @@ FORWARD = (
 )
 PREP = "import torch; from openvc_kernels.prep_ops import compile_prep; compile_prep({kind!r}, {dtype})"
 PREP_KINDS = (
-    "channel_sums_per_block", "channel_mean", "quantize_per_block", "quantize_centered_per_block",
+    "channel_sums_per_block", "channel_mean", "quantize_q", "quantize_per_block", "quantize_centered_per_block",
     "absmax_per_head", "absmax_and_channel_sums", "pack_v", "pack_v_energy", "select_repair_tokens",
     "select_repair_tokens_resident", "repair_rows", "descale_guards",
 )

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from openvc_kernels.preparation import Prepared, PrepareOptions, prepare_reference, write_repair_rows
 from openvc_kernels.quant import (
@@ -130,12 +131,16 @@ for kind, dtype in prep_variants:
                 int(constants[value]) for value in re.findall(rf"llvm\\.store (%\\d+), {field} : i64", function)
                 if value in constants
             ]
-    # Programmatic dependent launch (sm90.dependent_launch): no global memory access before griddepcontrol.wait.
-    wait_at = next((i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")), len(lines))
+    # Programmatic dependent launch (sm90.dependent_launch): where griddepcontrol.wait and launch_dependents sit
+    # among the global memory accesses.
+    first_at = lambda op: next((i for i, line in enumerate(lines) if line.startswith(op)), len(lines))
+    wait_at, lets_start_at = first_at("griddepcontrol.wait"), first_at("griddepcontrol.launch_dependents")
     out[f"{kind}/{dtype}"] = {
         "waits": wait_at < len(lines),
-        "lets_next_start": any(line.startswith("griddepcontrol.launch_dependents") for line in lines),
+        "lets_next_start": lets_start_at < len(lines),
         "global_before_wait": [line for line in lines[:wait_at] if touches_global(line)],
+        "global_after_wait": [line for line in lines[wait_at:] if touches_global(line)],
+        "global_before_letting_next_start": [line for line in lines[:lets_start_at] if touches_global(line)],
         "ops": ops,
         "loops": loops,
         "launch_smem": launch_smem,
@@ -230,12 +235,15 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
 
 @pytest.mark.parametrize("kind,dtype", VARIANTS)
 def test_a_launch_waits_for_the_one_before_it_to_touch_memory(ptx_ops, kind, dtype):
-    """``sm90.dependent_launch``: every kernel of a call's chain (all but the tokens' choice, which runs on a stream
-    of its own) waits for the launch before it ahead of its first global load or store, then lets the next start."""
+    """``sm90.dependent_launch``: every kernel of a call's chain waits for the launch before it ahead of its first
+    global load or store, then lets the next start; but Q's quantization, which lets the next start before it
+    touches memory and waits (in its last CTA) after its last global access."""
     compiled = ptx_ops[f"{kind}/{dtype}"]
-    chained = kind not in prep_ops.SELECT_KINDS
-    assert compiled["waits"] == chained and compiled["lets_next_start"] == chained
-    if chained:
+    assert compiled["waits"] and compiled["lets_next_start"]
+    assert compiled["global_before_letting_next_start"] == []
+    if kind == "quantize_q":
+        assert compiled["global_before_wait"] != [] and compiled["global_after_wait"] == []
+    else:
         assert compiled["global_before_wait"] == []
 
 
@@ -312,11 +320,35 @@ def test_select_resident_shared_memory_budget():
     assert select.RESIDENT_MAX_TOKENS >= 32_760, "Wan 480p's S"
 
 
+class _RecordedCall(TorchDispatchMode):
+    """What one ``prep_ops`` call on CPU tensors sends to its stream, in order, with every compiled kernel replaced
+    by a recorder (``record_launches``): ``("launch", kind, args)`` for a kernel, ``("alloc", data_ptr)`` for a new
+    buffer, ``("op", name)`` for a torch op that would run a GPU kernel; views run none and are left out."""
+
+    ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
+    NO_KERNEL = {torch.ops.aten._unsafe_view.default}
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.events = []
+        launch = lambda kind: lambda *args: self.events.append(("launch", kind, args))  # noqa: E731
+        monkeypatch.setattr(prep_ops, "load_prep", lambda kind, dtype=None: launch(kind))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.ALLOCATIONS:
+            self.events.append(("alloc", out.data_ptr()))
+        elif not func.is_view and func not in self.NO_KERNEL:
+            self.events.append(("op", str(func)))
+        return out
+
+    def kinds(self) -> list[str]:
+        return [event[1] for event in self.events if event[0] == "launch"]
+
+
 def test_prepare_picks_the_select_variant_by_sequence_length(monkeypatch):
     """Resident up to RESIDENT_MAX_TOKENS (its keys fit shared memory), streaming above; ``prepare`` launches
-    ``select_kind`` of the score row's length, and ``build_failure`` loads both variants."""
-    import inspect
-
+    ``select_kind`` of the score row's length, once, and ``build_failure`` loads both variants."""
     from openvc_kernels import ops
 
     limit = select.RESIDENT_MAX_TOKENS
@@ -326,9 +358,11 @@ def test_prepare_picks_the_select_variant_by_sequence_length(monkeypatch):
         assert prep_ops.select_kind(seq_len) == "select_repair_tokens", seq_len
     assert prep_ops.SELECT_KINDS == ("select_repair_tokens", "select_repair_tokens_resident")
     assert set(prep_ops.SELECT_KINDS) <= set(prep_ops.DTYPE_FREE_KINDS) <= set(prep_ops.PREP_KINDS)
-    # prepare itself needs CUDA: its source launches select_kind of the score's length, and no variant by name.
-    source = inspect.getsource(prep_ops.prepare)
-    assert "load_prep(select_kind(score.shape[-1]))(" in source and "select_repair_tokens\"" not in source
+    for seq_len in (limit, limit + 1):
+        q, k, v = (torch.randn(1, seq_len, 1, 128, dtype=torch.bfloat16) for _ in range(3))
+        with _RecordedCall(monkeypatch) as call:
+            prep_ops.prepare(q, k, v, PrepareOptions(repair_ratio=0.005, repair_ranking="energy"))
+        assert [kind for kind in call.kinds() if kind in prep_ops.SELECT_KINDS] == [prep_ops.select_kind(seq_len)]
     loaded = []
     monkeypatch.setattr(prep_ops, "load_kernels", lambda *args, **kwargs: None)
     monkeypatch.setattr(prep_ops, "load_prep", lambda kind, dtype=None: loaded.append((kind, dtype)))
@@ -339,6 +373,52 @@ def test_prepare_picks_the_select_variant_by_sequence_length(monkeypatch):
     finally:
         ops.build_failure.cache_clear()
     assert loaded == [(kind, None) for kind in prep_ops.SELECT_KINDS] + [("repair_rows", torch.bfloat16)]
+
+
+PREPARE_CALLS = {
+    "API": dict(options=PrepareOptions()),
+    "smooth_k": dict(options=PrepareOptions(smooth_k=True)),
+    "defaults": dict(options=PrepareOptions(smooth_k=True, repair_ratio=0.005)),
+    "repair, attention ranking": dict(options=PrepareOptions(repair_ratio=0.01, repair_ranking="attention")),
+    "smooth_k, both given": dict(options=PrepareOptions(smooth_k=True, repair_ratio=0.005), given=True),
+    "into": dict(into=True),
+    "into, smooth_k and energies": dict(into=True, smooth_k=True, energy=True),
+    "into, smooth_k, both given": dict(into=True, smooth_k=True, given=True),
+}
+
+
+@pytest.mark.parametrize("case", PREPARE_CALLS)
+def test_q_quantization_starts_beside_a_chained_launch_into_buffers_made_before_it(monkeypatch, case):
+    """``quantize_q`` does not wait for the launch before it (``sm90.dependent_launch``), so ``prepare`` and
+    ``prepare_into`` must launch it right after one of the preparation's kernels (which waited for everything before
+    it: never after a torch op, nor first), and into buffers allocated before that launch (none the kernel before it
+    may still be using). Kernels replaced by recorders, on CPU tensors: the order the calls send to the stream."""
+    spec = PREPARE_CALLS[case]
+    batch, seq_len, heads = 2, 300, 3
+    q, k, v = (torch.randn(batch, seq_len, heads, 128, dtype=torch.bfloat16) for _ in range(3))
+    given = {}
+    if "given" in spec:
+        given = dict(v_absmax=torch.rand(batch, heads) + 1, k_mean=torch.randn(batch, heads, 128))
+    with _RecordedCall(monkeypatch) as call:
+        if "into" in spec:
+            out = prep_ops.empty_prepared(batch, seq_len, seq_len, heads, q.device)
+            energy = torch.empty(batch, heads, seq_len) if "energy" in spec else None
+            start = len(call.events)
+            prep_ops.prepare_into(q, k, v, out, smooth_k="smooth_k" in spec, residual_energy=energy, **given)
+        else:
+            start = 0
+            prep_ops.prepare(q, k, v, spec["options"], **given)
+    events = call.events[start:]
+    at = [i for i, event in enumerate(events) if event[:2] == ("launch", "quantize_q")]
+    assert len(at) == 1, call.kinds()
+    work_before = [i for i, event in enumerate(events[:at[0]]) if event[0] != "alloc"]
+    assert work_before, "quantize_q launched first in the call"
+    before = events[work_before[-1]]
+    assert before[0] == "launch" and before[1] != "quantize_q", (case, events[: at[0] + 1])
+    _, _, (x, q8, d_q, mean) = events[at[0]]
+    assert x.data_ptr() == q.data_ptr() and mean is None
+    made_after = {event[1] for event in events[work_before[-1]:at[0]] if event[0] == "alloc"}
+    assert not made_after & {q8.data_ptr(), d_q.data_ptr()}, case
 
 
 def test_kernel_ready_reads_in_place_where_the_kernels_can():
@@ -543,7 +623,7 @@ def test_prepare_with_smoothed_keys(seed, batch, seq_len, heads):
 def test_prepare_with_smoothed_keys_and_given_scales(seed, given):
     """Each way K's mean and V's absmax come to the launches: both reduced here (the block sums in V's absmax
     launch), one of them given (the other's launch alone), or both given (neither launch); with and without repair
-    (``prepare``'s side stream)."""
+    (the tokens' choice, with Q's quantization beside it)."""
     batch, seq_len, heads = 2, 1500, 3
     q, v = (torch.randn(batch, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k = (torch.randn(batch, seq_len, heads, 128, device="cuda") + 8 * torch.randn(128, device="cuda")).to(q.dtype)
@@ -719,9 +799,9 @@ def test_prepare_with_repair_in_cuda_graph(seed):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_each_thread_forks_its_own_side_stream(seed):
-    """The tokens' choice forks and joins through events made once per thread (``prep_ops._side_stream``): calls
-    from two threads at once, each on a stream of its own, give each thread's bytes."""
+def test_calls_from_two_threads_at_once_give_each_its_bytes(seed):
+    """Calls with repair from two threads at once, each on a stream of its own, give each thread's bytes: every
+    launch of a call goes to its caller's stream."""
     batch, seq_len, heads = 1, 4100, 4
     options = PrepareOptions(smooth_k=True, repair_ratio=0.005)
     sets = [[torch.randn(batch, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
@@ -745,10 +825,6 @@ def test_each_thread_forks_its_own_side_stream(seed):
         assert len(results[i]) == 8
         for out in results[i]:
             _assert_identical(out, expected[i], f"thread {i}, seed {seed}")
-    device = sets[0][0].device
-    mine = prep_ops._side_stream(device, threading.get_ident())
-    assert mine is prep_ops._side_stream(device, threading.get_ident())
-    assert mine.fork is not mine.join
 
 
 def _scores(kind: str, shape, device) -> torch.Tensor:
@@ -871,7 +947,7 @@ def test_select_repair_tokens_matches_reference(seed, batch, heads, seq_len, cou
 @pytest.mark.parametrize("seq_len", [select.RESIDENT_MAX_TOKENS, select.RESIDENT_MAX_TOKENS + 1])
 def test_prepare_selects_with_the_variant_for_its_length(seed, monkeypatch, seq_len):
     """``prepare`` with repair launches the resident variant up to RESIDENT_MAX_TOKENS keys and the streaming one
-    above, once, on the whole score row, on its side stream; its tokens are ``repair.select_repair_tokens`` of
+    above, once, on the whole score row, on the caller's stream; its tokens are ``repair.select_repair_tokens`` of
     that row."""
     batch, heads = 1, 3
     q, k, v = (torch.randn(batch, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -890,9 +966,13 @@ def test_prepare_selects_with_the_variant_for_its_length(seed, monkeypatch, seq_
         return run
 
     monkeypatch.setattr(prep_ops, "load_prep", recording)
-    prep_ops.prepare(q, k, v, PrepareOptions(repair_ratio=0.005, repair_ranking="energy"))
+    caller = torch.cuda.Stream()
+    caller.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(caller):
+        prep_ops.prepare(q, k, v, PrepareOptions(repair_ratio=0.005, repair_ranking="energy"))
+    torch.cuda.current_stream().wait_stream(caller)
     ((kind, stream, score, tokens),) = launched
-    assert stream == prep_ops._side_stream(q.device, threading.get_ident()).stream != torch.cuda.current_stream()
+    assert stream == caller
     resident = seq_len <= select.RESIDENT_MAX_TOKENS
     assert kind == ("select_repair_tokens_resident" if resident else "select_repair_tokens")
     assert score.shape == (batch, heads, seq_len) and tokens.shape[-1] == repair_count(seq_len, 0.005)

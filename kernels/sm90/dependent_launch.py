@@ -9,9 +9,17 @@ The rule every such kernel keeps: nothing before that call loads or stores globa
 the kernel before it still reading a buffer the caching allocator gave out again). A kernel before it that does not
 take part (any torch kernel) lets it start only once it has finished.
 
-The repair tokens' choice (``sm90.select``) runs on a stream of its own after an event: it is launched as usual.
+A kernel that reads nothing the launches before it in the call write (Q's quantization: ``prep.QuantizePerBlock``
+with ``beside_previous``) need not wait to start: it lets the launch after it start at once
+(``start_beside_previous_launch``) and runs beside the kernel before it, while that one's last CTAs still run (the
+tokens' choice, on a few SMs); only its last CTA waits for that kernel, before it exits
+(``complete_after_previous_launch``), so that it still completes after it, and every later launch's wait still covers
+every launch before it. Its rule: the kernel before it follows ``follow_previous_launch`` (so that everything before
+that one has completed), and its outputs were allocated before that kernel was launched (so that no buffer it stores
+into can be one the kernel before it still uses).
 """
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import const_expr
 
@@ -30,3 +38,19 @@ def follow_previous_launch():
     if const_expr(ENABLED):
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
+
+
+@cute.jit
+def start_beside_previous_launch():
+    """Let the launch after this one start, without waiting for the one before it (see the module: its rule)."""
+    if const_expr(ENABLED):
+        cute.arch.griddepcontrol_launch_dependents()
+
+
+@cute.jit
+def complete_after_previous_launch(last_cta: cutlass.Boolean):
+    """In the kernel's last CTA (``last_cta``), after its work: wait for the launch before this one, so that this one
+    completes after it (``start_beside_previous_launch``'s other half)."""
+    if const_expr(ENABLED):
+        if last_cta:
+            cute.arch.griddepcontrol_wait()

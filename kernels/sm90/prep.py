@@ -9,9 +9,9 @@ Inputs are diffusers' ``(B, S, H, 128)`` fp16/bf16, any strides whose head-dim s
 multiples of 8 elements (16 bytes); anything else is copied once by ``prep_ops.prepare``.
 
 Four launches (five with K smoothing), stream-ordered and chained by programmatic dependent launch
-(``dependent_launch``), no host synchronisation, capturable in a CUDA graph (then
-the descale guards, ``quant.apply_descale_guards``, one launch of ``sm90.guards``), and with V residual repair,
-after the tokens' choice (``repair.select_repair_tokens``, one launch of ``sm90.select``), one more:
+(``dependent_launch``; Q's quantization starts beside the launch before it), no host synchronisation, capturable in a
+CUDA graph (then the descale guards, ``quant.apply_descale_guards``, one launch of ``sm90.guards``), and with V
+residual repair, after the tokens' choice (``repair.select_repair_tokens``, one launch of ``sm90.select``), one more:
 
   ChannelSumsPerBlock   k (B, S, H, 128)  -> sums (B, H, n_blocks, 128) fp32     (K smoothing only)
   AbsmaxAndChannelSums  v, k              -> AbsmaxPerHead's amax and ChannelSumsPerBlock's sums, one launch
@@ -42,7 +42,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint8
 
 from ..quant import ABSMAX_FLOOR, BLOCK, FP8_MAX, MEAN_SEGMENTS, MEAN_TOKEN_STRIDE
-from .dependent_launch import follow_previous_launch, launch_options
+from .dependent_launch import (
+    complete_after_previous_launch, follow_previous_launch, launch_options, start_beside_previous_launch
+)
 from .layout import CHUNK, E4M3_ONE, HEAD_DIM, KEY_PERMUTATION, ONES_ROWS
 from .ptx import mul_rn
 
@@ -220,7 +222,14 @@ def _store_residual_energy(
 
 
 class QuantizePerBlock:
-    """Q or K: one scale per 128-token block, optionally of K minus its channel mean. Grid (n_blocks, H, B)."""
+    """Q or K: one scale per 128-token block, optionally of K minus its channel mean. Grid (n_blocks, H, B).
+
+    ``beside_previous``: for Q, which reads nothing the preparation writes; the kernel starts beside the launch before
+    it and completes after it (``dependent_launch.start_beside_previous_launch``: its rule), so that Q's quantization
+    fills the SMs that the tokens' choice, on a few of them, leaves idle."""
+
+    def __init__(self, beside_previous: bool = False):
+        self.beside_previous = beside_previous
 
     @cute.jit
     def __call__(
@@ -240,7 +249,10 @@ class QuantizePerBlock:
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mX8: cute.Tensor, mD: cute.Tensor, mMean: cute.Tensor | None):
-        follow_previous_launch()
+        if cutlass.const_expr(self.beside_previous):
+            start_beside_previous_launch()
+        else:
+            follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -264,6 +276,9 @@ class QuantizePerBlock:
         cute.copy(tiled_copy, tXrX8, tXgX8)
         if tidx == 0:
             mD[b, h, n] = descale
+        if cutlass.const_expr(self.beside_previous):
+            last_cta = (n == mD.shape[2] - 1) & (h == mD.shape[1] - 1) & (b == mD.shape[0] - 1)
+            complete_after_previous_launch(last_cta)
 
 
 @cute.jit

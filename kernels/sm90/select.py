@@ -1,6 +1,7 @@
 """V residual repair's token selection on the GPU: per head, the ``count`` tokens of largest score in ascending token
 order, bit for bit ``repair.select_repair_tokens``, in one launch (``torch.topk`` takes about 25). Device code only:
-``prep_ops`` compiles the kernel and runs it on torch tensors.
+``prep_ops`` compiles the kernel and runs it on torch tensors, on the caller's stream, chained to the launches around
+it as the preparation's kernels are (``dependent_launch``): Q's quantization runs beside it on the other SMs.
 
   SelectRepairTokens()               score (B, H, S) fp32, contiguous -> tokens (B, H, count) int64, ascending
   SelectRepairTokens(resident=True)  the same, S <= RESIDENT_MAX_TOKENS: the keys held in shared memory
@@ -51,6 +52,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from ..repair import ORDER_KEY_NAN
+from .dependent_launch import follow_previous_launch, launch_options
 from .float_bits import EXPONENT_BITS, MAGNITUDE_BITS, SIGN_BIT
 
 THREADS = 1024
@@ -136,11 +138,13 @@ class SelectRepairTokens:
     def __call__(self, mScore: cute.Tensor, mTokens: cute.Tensor, stream: cuda.CUstream):
         """mScore (B, H, S) fp32, rows contiguous; mTokens (B, H, count) int64, every entry written."""
         self.kernel(cute.recast_tensor(mScore, Uint32), mTokens).launch(
-            grid=[mScore.shape[1], mScore.shape[0], 1], block=[THREADS, 1, 1], stream=stream
+            grid=[mScore.shape[1], mScore.shape[0], 1], block=[THREADS, 1, 1], stream=stream,
+            **launch_options(),
         )
 
     @cute.kernel
     def kernel(self, mBits: cute.Tensor, mTokens: cute.Tensor):
+        follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
         # Outside any branch: warp_idx is a full-warp shuffle (see prep._block_absmax).
