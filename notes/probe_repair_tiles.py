@@ -109,13 +109,13 @@ def main():
                     for s in sets]
             for ratio in (0.0, rho)
         }
-        calls = {"no repair": lambda i: kernels["shipped"](*args[0.0][i])}
+        calls = {"no repair": lambda i: variant_runner.launch(kernels["shipped"], args[0.0][i])}
         for name, kernel in kernels.items():
-            calls[name] = lambda i, kernel=kernel: kernel(*args[rho][i])
+            calls[name] = lambda i, kernel=kernel: variant_runner.launch(kernel, args[rho][i])
         if args[rho][0].d_k_repair.shape[-1] % 128:
             whole = [forward_args(with_whole_repair_tiles(prepare(*s, repair_ratio=rho)), out, softmax_scale=TAU,
                                   window=4, split_tail=True) for s in sets]
-            calls["last tile whole"] = lambda i: kernels["shipped"](*whole[i])
+            calls["last tile whole"] = lambda i: variant_runner.launch(kernels["shipped"], whole[i])
         times = time_interleaved(list(calls.values()), [[0], [1]], "back_to_back", BUDGET_MS)
         tiles = args[rho][0].repair_tiles
         print(f"S={seq} H={heads}: {tiles} repair tiles of {args[0.0][0].k8.shape[2] // 128} key tiles")

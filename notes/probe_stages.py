@@ -66,7 +66,8 @@ def main():
         out = torch.empty_like(q)
         args = forward_args(p, out, softmax_scale=TAU, window=4, split_tail=True)
         for name, kernel in kernels.items():
-            ms = do_bench(lambda kernel=kernel: kernel(*args), warmup=100, rep=600, return_mode="median")
+            call = lambda kernel=kernel: variant_runner.launch(kernel, args)  # noqa: E731
+            ms = do_bench(call, warmup=100, rep=600, return_mode="median")
             print(f"{seq}x{heads} {name:>14}: {ms:8.2f} ms {flop / ms / 1e9:7.0f} TFLOP/s", flush=True)
         del q, k, v, p, out
         torch.cuda.empty_cache()

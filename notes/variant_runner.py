@@ -30,6 +30,14 @@ def compile_with_softmax(softmax_class: type, config=None):
     return compile_attention(ForwardConfig() if config is None else config, variant)
 
 
+def launch(kernel, args) -> None:
+    """One launch of a compiled forward kernel on ``args`` (``ops.forward_args``), the tail split's counters zeroed
+    first, as ``ops.attention_prepared`` allocates them: a launch on counters left over from the one before never
+    merges its pieces (less work, a wrong output)."""
+    args.arrivals.zero_()
+    kernel(*args)
+
+
 def dump_sass(folder: str, probe: str) -> None:
     """One subprocess per variant of module ``probe``: the DSL reads its dump settings at import."""
     for name in importlib.import_module(probe).VARIANTS:
@@ -43,7 +51,7 @@ def dump_sass(folder: str, probe: str) -> None:
 def run(probe: str) -> None:
     """Every variant of module ``probe`` on the same prepared N(0, 1) inputs: whether its output is finite, its
     distance from the first variant's, its error against float64 on ``CHECKED_ROWS`` rows; then ``ROUNDS`` rounds of
-    timings (triton's do_bench, medians; two input sets alternated)."""
+    timings (triton's do_bench, medians; two input sets alternated; each launch includes zeroing its counters)."""
     import torch
     from triton.testing import do_bench
 
@@ -67,8 +75,7 @@ def run(probe: str) -> None:
         outs = {}
         for name, kernel in kernels.items():
             sets[0].out.fill_(float("nan"))
-            sets[0].arrivals.zero_()  # the tail split's counters start at 0 in every launch
-            kernel(*sets[0])
+            launch(kernel, sets[0])
             outs[name] = sets[0].out.float().clone()
         for name, out in outs.items():
             apart = ((out - outs[first]).norm() / outs[first].norm()).item()
@@ -78,7 +85,7 @@ def run(probe: str) -> None:
         for rnd in range(ROUNDS):
             for name, kernel in (kernels.items() if rnd % 2 == 0 else reversed(kernels.items())):
                 turn = iter(range(10**9))
-                call = lambda kernel=kernel, turn=turn: kernel(*sets[next(turn) % 2])  # noqa: E731
+                call = lambda kernel=kernel, turn=turn, sets=sets: launch(kernel, sets[next(turn) % 2])  # noqa: E731
                 ms = do_bench(call, warmup=100, rep=600, return_mode="median")
                 print(f"{seq}x{heads} round {rnd} {name:>24}: {ms:8.2f} ms {flop / ms / 1e9:7.0f} TFLOP/s",
                       flush=True)

@@ -99,7 +99,7 @@ def test_the_code_span_limit_leaves_ordinary_inputs_alone(fresh_seed):
 def test_a_gradient_through_the_reference_raises_instead_of_being_zero():
     q, k, v = (randn(1, 256, 2, 128).requires_grad_() for _ in range(3))
     out = openvc_kernels.reference_attention(q, k, v)
-    with pytest.raises(RuntimeError, match="forward-only"):
+    with pytest.raises(RuntimeError, match=re.escape(FORWARD_ONLY)):
         out.float().sum().backward()
     with torch.no_grad():
         assert not openvc_kernels.reference_attention(q, k, v).requires_grad
