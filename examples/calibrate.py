@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pipeline_arguments(parser)
     parser.add_argument(
-        "--config", type=cli.config, help="YAML config to start from; its bf16_layers are replaced by the measured ones"
+        "--config", type=cli.single_process_config, help="YAML config to start from; its bf16_layers are replaced by the measured ones"
     )
     # Open-VC's error on real video-model activations is about 3% rel-L2: twice that marks an outlier layer.
     parser.add_argument(

@@ -93,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"length of the denoising schedule (default: {TINY_STEPS} with --tiny, the pipeline's own with --model)",
     )
     parser.add_argument(
-        "--config", type=cli.config, help="YAML config to run the pipeline through Open-VC (default: stock attention)"
+        "--config", type=cli.single_process_config, help="YAML config to run the pipeline through Open-VC (default: stock attention)"
     )
     parser.add_argument(
         "--output",

@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--config",
-        type=cli.config,
+        type=cli.single_process_config,
         help="YAML config for Open-VC. Default with --tiny: {'min_tokens': 0}, because the tiny model's sequences "
         "are short enough that the default policy would keep every call on the BF16 fallback; with --model: "
         "the defaults (configs/default.yaml).",

@@ -23,7 +23,7 @@ from .quant import BLOCK, num_blocks, smoothing_lse_shift, softmax_scale_or_defa
 from .split import TailSplit, plan_tail_split
 from .forward_only import raise_on_backward
 from .support import HEAD_DIM, KERNEL_DTYPES, KernelUnavailableError, input_unsupported_reason
-from .validation import check_attention_args, check_shared_scales, check_softmax_scale
+from .validation import check_attention_args, check_flag, check_shared_scales, check_softmax_scale, check_window
 
 OUT_DTYPE = torch.bfloat16
 
@@ -202,9 +202,9 @@ def forward_args(
     (B, H, S_q) fp32 for the kernel that writes it."""
     p = prepared
     batch, heads, s_q_pad, _ = p.q8.shape
-    units = batch * heads * (s_q_pad // BLOCK)
+    units, n_k = batch * heads * (s_q_pad // BLOCK), num_blocks(p.seqlen_k)
     sms = sm_count(out.device) if split_tail else None
-    plan = plan_tail_split(units, num_blocks(p.seqlen_k), sms)
+    plan = plan_tail_split(units, n_k, sms)
     piece_sums, piece_anchors, arrivals = _split_workspace(plan, out.device)
     # What the kernel takes but never reads, without repair (d_k_repair, tile_repair) and without write_lse (lse):
     # compact (B, H, 1) stand-ins, never empty tensors.
@@ -225,7 +225,9 @@ def forward_args(
         arrivals=arrivals,
         codes_per_dot=_codes_per_dot_value(softmax_scale),
         seqlen_k=p.seqlen_k,
-        window=window or 0,
+        # Any window from n_k on visits in the same order (start = min(query tile + window, n_k - 1)): clamped so
+        # that the kernel's Int32 holds it and the sum.
+        window=min(window or 0, n_k),
         repair_tiles=p.repair_tiles,
         whole_units=plan.whole_units,
         splits=plan.splits,
@@ -242,16 +244,48 @@ def attention_prepared(
     return_lse: bool = False,
     **tuning,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Run the kernel on prepared inputs into ``out`` ((B, S_q, H, 128) bf16, contiguous); returns ``out``, or with
-    ``return_lse`` ``(out, lse)``: lse FP32 (B, S_q, H), a view of a (B, H, S_q) buffer, each row's log-sum-exp of
-    its prepared scores (with K smoothing those of ``q . (k - mean)``: ``attention`` adds the ``q . mean`` back).
+    """Run the kernel on prepared inputs into ``out`` ((B, S_q, H, 128) bf16, contiguous, S_q the length that was
+    prepared); returns ``out``, or with ``return_lse`` ``(out, lse)``: lse FP32 (B, S_q, H), a view of a (B, H, S_q)
+    buffer, each row's log-sum-exp of its prepared scores (with K smoothing those of ``q . (k - mean)``:
+    ``attention`` adds the ``q . mean`` back).
 
     ``split_tail``: share the key range of the last wave's query tiles out over the idle SMs (``split.py``; as
     ``reference_attention(sm_count=...)`` models it with this GPU's SM count); False runs one CTA per query tile.
     ``tuning``: ``ForwardConfig``'s knobs other than the visiting order (which ``window`` sets) and ``write_lse``
-    (which ``return_lse`` sets), for the probes.
+    (which ``return_lse`` sets), for the probes. Raises ``ValueError`` for an option or an ``out`` it cannot take.
     """
     check_softmax_scale(softmax_scale)
+    check_window(window)
+    check_flag("split_tail", split_tail)
+    check_flag("return_lse", return_lse)
+    check_prepared_out(prepared, out)
+    return _attention_prepared_checked(prepared, out, softmax_scale, window, split_tail, return_lse, **tuning)
+
+
+def check_prepared_out(prepared: Prepared, out: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``out`` is what the kernel writes for ``prepared``: every row of it, no more (the
+    kernel visits the prepared query tiles and stops at ``out``'s length)."""
+    batch, heads, s_q_pad, _ = prepared.q8.shape
+    device = prepared.q8.device
+    accepted = (
+        f"accepted: a contiguous {OUT_DTYPE} tensor (batch, seq_q, heads, {HEAD_DIM}) = ({batch}, S_q, {heads}, "
+        f"{HEAD_DIM}) on {device}, S_q from {s_q_pad - BLOCK + 1} to {s_q_pad} (the prepared query length)"
+    )
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}; {accepted}")
+    shape = tuple(out.shape)
+    fits = (
+        len(shape) == 4
+        and (shape[0], shape[2], shape[3]) == (batch, heads, HEAD_DIM)
+        and s_q_pad - BLOCK < shape[1] <= s_q_pad
+    )
+    if not fits or out.dtype != OUT_DTYPE or out.device != device or not out.is_contiguous():
+        layout = "contiguous" if out.is_contiguous() else "strided"
+        raise ValueError(f"out is a {layout} {out.dtype} tensor of shape {shape} on {out.device}; {accepted}")
+
+
+def _attention_prepared_checked(prepared, out, softmax_scale, window, split_tail, return_lse, **tuning):
+    """``attention_prepared`` on checked arguments (``attention``'s own ``out`` needs no check)."""
     if tuning:
         config = ForwardConfig(plain_order=window is None, write_lse=return_lse, **tuning)
     else:
@@ -282,7 +316,7 @@ def _run_checked(
     options = PrepareOptions(smooth_k, repair_ratio, repair_ranking, softmax_scale)
     prepared = _prepare_checked(q, k, v, options, v_absmax, k_mean)
     out = torch.empty(q.shape, dtype=OUT_DTYPE, device=q.device)
-    result = attention_prepared(prepared, out, softmax_scale=softmax_scale, window=window, return_lse=return_lse)
+    result = _attention_prepared_checked(prepared, out, softmax_scale, window, True, return_lse)
     if return_lse and smooth_k:
         result[1].add_(smoothing_lse_shift(q, k_mean, softmax_scale))
     return result
@@ -368,6 +402,7 @@ def attention(
     preparation then skips its V absmax launch). Their values (finite, absmax >= 0) are checked except while a
     CUDA graph is captured.
     """
+    check_flag("return_lse", return_lse)
     compiling = torch.compiler.is_compiling()
     if not compiling:
         # Eager, every check runs here, before any work, on the caller's own values (before the casts below);

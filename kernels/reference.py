@@ -62,7 +62,7 @@ from .quant import (
 )
 from .repair import gather_tokens, rank_repair_tokens, repair_count, repair_descales, repair_values
 from .split import merge_pieces, piece_steps, piece_visits, plan_tail_split
-from .validation import check_attention_args, check_shared_scales
+from .validation import check_attention_args, check_flag, check_shared_scales
 from .wgmma import PV_PROMOTE_EVERY, wgmma_e4m3_dot
 
 ACCUMULATIONS = ("exact", "wgmma")
@@ -243,6 +243,7 @@ def reference_attention(
         q, k, v, repair_ratio=repair_ratio, window=window, repair_ranking=repair_ranking, softmax_scale=softmax_scale
     )
     check_shared_scales(q, k, smooth_k=smooth_k, v_absmax=v_absmax, k_mean=k_mean)
+    check_flag("return_lse", return_lse)
     if accumulation not in ACCUMULATIONS:
         raise ValueError(f"accumulation must be one of {', '.join(map(repr, ACCUMULATIONS))}, got {accumulation!r}")
     if sm_count is not None and (isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1):

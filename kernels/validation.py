@@ -71,12 +71,22 @@ def check_attention_args(
     check_repair_ratio(repair_ratio)
     if softmax_scale is not None:
         check_softmax_scale(softmax_scale)
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
-        raise ValueError(f"window must be an int >= 0 or None (plain order), got {window!r}")
+    check_window(window)
     if repair_ranking not in REPAIR_RANKINGS:
         raise ValueError(
             f"repair_ranking must be one of {', '.join(map(repr, REPAIR_RANKINGS))}, got {repair_ranking!r}"
         )
+
+
+def check_window(window: int | None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ValueError(f"window must be an int >= 0 or None (plain order), got {window!r}")
+
+
+def check_flag(name: str, value: bool) -> None:
+    """A bool: any other value would be taken for its truth (``"no"`` for True), not refused."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def check_softmax_scale(softmax_scale: float) -> None:
@@ -117,8 +127,7 @@ def check_shared_scales(
     ``values``, also finite and ``v_absmax >= 0`` (a check that waits for the device: callers skip it while
     capturing a CUDA graph)."""
     b, _, h, d = k.shape
-    if not isinstance(smooth_k, bool):
-        raise ValueError(f"smooth_k must be True or False, got {smooth_k!r}")
+    check_flag("smooth_k", smooth_k)
     if k_mean is not None and not smooth_k:
         raise ValueError("k_mean is the mean K smoothing subtracts: pass it with smooth_k=True, or leave it None")
     for name, x, shape in (("v_absmax", v_absmax, (b, h)), ("k_mean", k_mean, (b, h, d))):

@@ -3,19 +3,10 @@
 from dataclasses import dataclass
 
 import torch
-from diffusers.models.attention_processor import (
-    AttnProcessor2_0,
-    CogVideoXAttnProcessor2_0,
-    MochiAttnProcessor2_0,
-)
-from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
-from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
-from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
-from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2AttnProcessor
-from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+from diffusers.models.attention_processor import AttnProcessor2_0
 
 from .config import load_config
-from .parallel import enable_context_parallel
+from .parallel import describe_degrees, enable_context_parallel
 from .processors import (
     CogVideoXOpenVCProcessor,
     HunyuanVideo15OpenVCProcessor,
@@ -34,30 +25,26 @@ TRANSFORMER_ATTRS = ("transformer", "transformer_2")  # Wan 2.2 A14B has a high-
 @dataclass(frozen=True)
 class Family:
     name: str
-    stock: tuple[type, ...]
-    """diffusers' processors that ``processor`` mirrors and replaces."""
     processor: type[OpenVCProcessorBase]
     keep: tuple[type, ...] = ()
     """Other processors in the same models, left to diffusers."""
     cross_attention: str | None = None
     """The name of the family's cross-attention modules (the others attend to the video tokens)."""
 
+    @property
+    def stock(self) -> tuple[type, ...]:
+        """diffusers' processors that ``processor`` mirrors and replaces."""
+        return self.processor.stock_processors
+
 
 FAMILIES = (
-    Family(
-        "Wan 2.1/2.2 and SkyReels-V2",
-        (WanAttnProcessor, SkyReelsV2AttnProcessor),
-        OpenVCProcessor,
-        cross_attention="attn2",
-    ),
-    Family("LTX-Video", (LTXVideoAttnProcessor,), LTXVideoOpenVCProcessor, cross_attention="attn2"),
+    Family("Wan 2.1/2.2 and SkyReels-V2", OpenVCProcessor, cross_attention="attn2"),
+    Family("LTX-Video", LTXVideoOpenVCProcessor, cross_attention="attn2"),
     # The text-token refiner's attention: 256 text tokens with a per-query mask, no video.
-    Family("HunyuanVideo", (HunyuanVideoAttnProcessor2_0,), HunyuanVideoOpenVCProcessor, keep=(AttnProcessor2_0,)),
-    Family(
-        "HunyuanVideo-1.5", (HunyuanVideo15AttnProcessor2_0,), HunyuanVideo15OpenVCProcessor, keep=(AttnProcessor2_0,)
-    ),
-    Family("CogVideoX", (CogVideoXAttnProcessor2_0,), CogVideoXOpenVCProcessor),
-    Family("Mochi", (MochiAttnProcessor2_0,), MochiOpenVCProcessor),
+    Family("HunyuanVideo", HunyuanVideoOpenVCProcessor, keep=(AttnProcessor2_0,)),
+    Family("HunyuanVideo-1.5", HunyuanVideo15OpenVCProcessor, keep=(AttnProcessor2_0,)),
+    Family("CogVideoX", CogVideoXOpenVCProcessor),
+    Family("Mochi", MochiOpenVCProcessor),
 )
 SUPPORTED = "; ".join(f"{f.name} ({', '.join(c.__name__ for c in f.stock)})" for f in FAMILIES)
 
@@ -108,8 +95,9 @@ def apply(target, config=None) -> OpenVCProcessorBase:
     compiled model makes no numbers: under caches that skip blocks too). Also tracks denoising steps from the
     transformers' ``timestep`` so ``bf16_steps`` applies, and with
     ``parallel.ulysses_degree`` or ``parallel.ring_degree`` above 1 shards each transformer's sequence over the
-    torch.distributed world (``parallel.py``).
-    Returns the processor (its ``calls`` counts which backend took which calls).
+    torch.distributed world (``parallel.py``); a model sharded already (diffusers' ``enable_parallelism``) keeps
+    its sharding under a config without parallel degrees and is refused one with them. Returns the processor (its
+    ``calls`` counts which backend took which calls).
     """
     models = pipeline_transformers(target)
     plans = [_attention_to_replace(model) for model in models]
@@ -117,10 +105,13 @@ def apply(target, config=None) -> OpenVCProcessorBase:
     if len(families) != 1:
         raise ValueError(f"apply() takes transformers of one family, got {', '.join(sorted(f.name for f in families))}")
     config = load_config(config)
+    sharding = _sharding_in_place(models, config)
     processor = plans[0][0].processor(config)
     processor.step_tracker = StepTracker(watched=config.bf16_steps)
     if config.ulysses_degree * config.ring_degree > 1:
         processor._parallel_config = enable_context_parallel(models, config.ulysses_degree, config.ring_degree)
+    else:
+        processor._parallel_config = sharding
     family = plans[0][0]
     for model, (_, modules) in zip(models, plans):
         processor.layer_count = 0  # each transformer (Wan 2.2's two experts) numbers its layers from 0
@@ -134,3 +125,23 @@ def apply(target, config=None) -> OpenVCProcessorBase:
         model.register_forward_pre_hook(processor.step_tracker, with_kwargs=True)
         model.register_forward_pre_hook(count_compiled_calls)
     return processor
+
+
+def _sharding_in_place(models: list[torch.nn.Module], config):
+    """The context-parallel config the models run under already (diffusers' ``enable_parallelism``, or an earlier
+    ``apply``), which a config without parallel degrees keeps; None where they are not sharded. ``ValueError``
+    where the config would shard them a second time, or only some of the transformers are sharded."""
+    found = [getattr(model, "_parallel_config", None) for model in models]
+    sharded = [c for c in found if c is not None and c.context_parallel_config is not None]
+    if not sharded:
+        return None
+    name = type(models[0]).__name__
+    if config.ulysses_degree * config.ring_degree > 1:
+        raise ValueError(
+            f"{name} is sharded already (by enable_parallelism or an earlier apply); "
+            f"{describe_degrees(config.ulysses_degree, config.ring_degree)} would shard it twice: load the model "
+            "again, or apply a config without parallel degrees (the sharding in place is kept)"
+        )
+    if len(sharded) != len(models):
+        raise ValueError(f"only {len(sharded)} of the pipeline's {len(models)} transformers are sharded: shard all")
+    return sharded[0]

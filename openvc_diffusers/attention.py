@@ -78,9 +78,15 @@ def attention(
     """Attention on diffusers-layout ``(B, S, H, D)`` tensors through the backend the policy picks.
 
     ``config`` is anything ``load_config`` takes. ``is_cross`` defaults to "k is not as long as q";
-    ``layer`` and ``step`` let ``bf16_layers`` / ``bf16_steps`` apply. Bad q, k, v raise the same ``ValueError``
+    ``layer`` and ``step`` (ints >= 0) let ``bf16_layers`` / ``bf16_steps`` apply. Bad q, k, v raise the same ``ValueError``
     whichever backend the policy would pick; a call that autograd records takes a backend with a gradient.
     """
+    for name, index in (("layer", layer), ("step", step)):
+        # A layer "3" would never match bf16_layers' 3: the call would silently take Open-VC.
+        if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
+            raise ValueError(f"{name} must be an int >= 0 or None, got {index!r}")
+    if is_cross is not None and not isinstance(is_cross, bool):
+        raise ValueError(f"is_cross must be True, False or None (k not as long as q), got {is_cross!r}")
     config = load_config(config)
     call = Call(q, k, v, is_cross=is_cross, has_mask=attn_mask is not None, layer=layer, step=step)
     return run(decide(config, call), config, q, k, v, attn_mask=attn_mask)

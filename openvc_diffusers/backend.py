@@ -13,6 +13,7 @@ registered config; cross-attention where the key sequence is not as long as the 
 """
 
 import functools
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ from openvc_kernels.rotary import rotate_qk
 
 from .attention import OPENVC_BACKENDS, run, run_openvc, warn_once
 from .config import OPENVC, SDPA, OpenVCConfig, format_indices, load_config
-from .parallel import sharded_attention
+from .parallel import describe_degrees, sharded_attention
 from .policy import Call, decide
 from .ring import gather_sequence, ring_attention
 
@@ -43,6 +44,9 @@ TESTED_DIFFUSERS = ((0, 37), (0, 43))
 """diffusers releases the package was tested on: from the first (inclusive) to the second (exclusive). The registry's
 ``supports_context_parallel`` dates from 0.36; 0.37 is the first whose Wan context-parallel plan leaves the text
 context whole on every rank, which Ulysses here relies on (cross-attention takes no all-to-all)."""
+DEFAULT_SCALE_TOLERANCE = 1e-6
+"""A ``scale`` this close (relative) to ``1 / sqrt(head_dim)`` is taken as Open-VC's: the scores move by far less
+than their FP8 rounding. Any other scale goes to diffusers' native attention."""
 
 
 def check_diffusers_version(version: str = diffusers.__version__) -> None:
@@ -144,22 +148,25 @@ def openvc_attention(
     dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: float | None = None,
+    enable_gqa: bool = False,
     _parallel_config=None,
 ) -> torch.Tensor:
     """The registered backend: ``(B, S, H, D)`` in and out, as diffusers' backends take them."""
     if IN_FLIGHT.rotary is not None:
         query, key = rotate_qk(query, key, *IN_FLIGHT.rotary)
-    default_scale = scale is None or scale == query.shape[-1] ** -0.5
-    if dropout_p or is_causal or not default_scale:
+    route = IN_FLIGHT.route or _registered
+    if dropout_p or is_causal or enable_gqa or not is_default_scale(scale, query.shape[-1]):
         warn_once(
-            f"Open-VC fallback to native: dropout_p={dropout_p}, is_causal={is_causal}, scale={scale}; "
-            "Open-VC takes dropout_p=0, is_causal=False and scale 1/sqrt(head_dim)"
+            f"Open-VC fallback to native: dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa}, "
+            f"scale={scale}; Open-VC takes dropout_p=0, is_causal=False, enable_gqa=False and scale "
+            "1/sqrt(head_dim)"
         )
+        route.count("cross" if _is_cross(route, query, key) else "self", SDPA)
         return dispatch_attention_fn(
-            query, key, value, attn_mask, dropout_p, is_causal, scale, backend=AttentionBackendName.NATIVE
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            backend=AttentionBackendName.NATIVE, parallel_config=_parallel_config,
         )
-    route = IN_FLIGHT.route
-    if route is None:
+    if IN_FLIGHT.route is None:
         config = _registered.config
         if config.bf16_steps:
             raise RuntimeError(
@@ -175,6 +182,34 @@ def openvc_attention(
     # An Open-VC processor's call: through its _attend, which subclasses extend (examples/ time and capture there).
     out = route.owner._attend(route.attn, query, key, value, is_cross=route.is_cross, attn_mask=attn_mask)
     return out.unflatten(2, (query.shape[2], -1))
+
+
+def is_default_scale(scale: float | None, head_dim: int) -> bool:
+    """Whether ``scale`` is the softmax scale Open-VC uses, ``1 / sqrt(head_dim)``: None, or that value to within
+    ``DEFAULT_SCALE_TOLERANCE`` (``head_dim ** -0.5`` and ``1 / math.sqrt(head_dim)`` differ in the last bit, and a
+    model may hold it in float32)."""
+    return scale is None or math.isclose(scale, head_dim**-0.5, rel_tol=DEFAULT_SCALE_TOLERANCE)
+
+
+def _is_cross(route: Route, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The route's own answer, else cross-attention where the keys are not as many as the queries."""
+    return route.is_cross if route.is_cross is not None else k.shape[1] != q.shape[1]
+
+
+def check_sharding(config: OpenVCConfig, parallel_config) -> None:
+    """Raise unless the context parallelism in effect is the one ``config``'s parallel degrees ask for: they take
+    effect only through ``openvc_diffusers.apply``, and an Open-VC processor or the backend alone would otherwise run
+    every rank on the whole sequence (or on another sharding) without a word."""
+    if config.ulysses_degree * config.ring_degree == 1:
+        return
+    cp = None if parallel_config is None else parallel_config.context_parallel_config
+    if cp is None or (cp.ulysses_degree, cp.ring_degree) != (config.ulysses_degree, config.ring_degree):
+        in_effect = "none" if cp is None else describe_degrees(cp.ulysses_degree, cp.ring_degree)
+        raise RuntimeError(
+            f"{describe_degrees(config.ulysses_degree, config.ring_degree)} shards the model only through "
+            f"openvc_diffusers.apply(pipe, config), but this call runs under context parallelism {in_effect}: call "
+            "apply() with this config, or set the parallel degrees to 1 (the default)"
+        )
 
 
 def attend(
@@ -199,7 +234,8 @@ def attend(
     around the ranks (``attend_shard``); cross-attention needs neither: each rank's query shard attends to the whole
     context.
     """
-    is_cross = route.is_cross if route.is_cross is not None else k.shape[1] != q.shape[1]
+    check_sharding(route.config, parallel_config)
+    is_cross = _is_cross(route, q, k)
     if parallel_config is not None and not is_cross:
         if attn_mask is not None:
             raise RuntimeError("Open-VC: masked self-attention under context parallelism is not supported")

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .config import OpenVCConfig, load_config
+from .parallel import describe_degrees
 
 
 def _int(text: str) -> int:
@@ -105,6 +106,19 @@ def config(text: str) -> OpenVCConfig:
     except (ValueError, OSError) as e:  # ConfigError, or a file that cannot be read
         # YAML syntax errors span lines; the message has to stay one.
         raise argparse.ArgumentTypeError(" ".join(str(e).split())) from None
+
+
+def single_process_config(text: str) -> OpenVCConfig:
+    """``config`` for a script that runs in one process: parallel degrees above 1 are refused here, before the
+    script loads a model (``apply`` would refuse them only then)."""
+    loaded = config(text)
+    if loaded.ulysses_degree * loaded.ring_degree > 1:
+        degrees = describe_degrees(loaded.ulysses_degree, loaded.ring_degree)
+        raise argparse.ArgumentTypeError(
+            f"{text!r} sets {degrees}, which needs one process per GPU; this script runs in one process: take a "
+            "config without parallel degrees, or shard in a torchrun script of your own (examples/bench_ulysses.py)"
+        )
+    return loaded
 
 
 def writable_dir(text: str) -> str:

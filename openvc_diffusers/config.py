@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class OpenVCConfig:
-    # Order tried for self-attention; "sdpa" must be present so every call has a backend.
+    # Order tried for self-attention; "sdpa" must end it: it takes every call, so every call has a backend.
     backends: tuple[str, ...] = BACKENDS
     # Self-attention calls with fewer query tokens than this skip the FP8 path.
     min_tokens: int = 1024
@@ -132,11 +132,26 @@ def load_config(source: OpenVCConfig | Mapping[str, Any] | str | os.PathLike | N
     raise TypeError(f"load_config takes None, an OpenVCConfig, a dict or a YAML path, not {type(source).__name__}")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (it would keep the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice; keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> Mapping[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {str(path)!r}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise ConfigError(f"{str(path)!r} is not valid YAML: {e}") from e
     if data is None:  # an empty file means all defaults
@@ -175,7 +190,18 @@ def _check_keys(data: Mapping[str, Any], known: tuple[str, ...], prefix: str):
 
 
 def _fail(key: str, value: Any, accepted: str):
-    raise ConfigError(f"{key}: got {value!r}; expected {accepted}")
+    raise ConfigError(f"{key}: got {value!r}; expected {accepted}{_text_number_hint(value)}")
+
+
+def _text_number_hint(value: Any) -> str:
+    """For a number that YAML read as text: why (PyYAML follows YAML 1.1, where ``1e-2`` is not a float)."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        float(value)
+    except ValueError:
+        return ""
+    return " (this number was read as text: write it unquoted, with a dot before any exponent, e.g. 1.0e-2 or 0.01)"
 
 
 def _int(key: str, value: Any, minimum: int, none_ok: bool = False) -> int | None:
@@ -220,6 +246,8 @@ def _backends(key: str, value: Any) -> tuple[str, ...]:
         _fail(key, value, "each backend at most once")
     if SDPA not in value:
         _fail(key, value, f"a list that includes {SDPA!r}: it is the one backend that runs everywhere")
+    if value[-1] != SDPA:
+        _fail(key, value, f"{SDPA!r} last: it takes every call, so no backend after it would ever run")
     return tuple(value)
 
 

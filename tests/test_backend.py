@@ -4,6 +4,8 @@ diffusers' SDPA elsewhere."""
 
 import importlib
 import logging
+import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -207,9 +209,61 @@ def test_set_attention_backend_on_our_processor_picks_the_fallback(stock_afterwa
 
 
 def test_other_attention_arguments_go_to_native_attention(registered):
+    """Causal attention, grouped-query attention (fewer key heads) and another scale: diffusers' native attention,
+    bit for bit, counted as the policy's sdpa."""
     q, k, v = (torch.randn(1, 256, 2, 128) for _ in range(3))
     registered({"min_tokens": 0})
+    sdpa = lambda q, k, v, **options: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        *(x.transpose(1, 2) for x in (q, k, v)), **options
+    ).transpose(1, 2)
     causal = backend.openvc_attention(q, k, v, is_causal=True)
-    expected = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True)
-    assert torch.equal(causal, expected.transpose(1, 2))
-    assert backend.calls() == {}
+    assert torch.equal(causal, sdpa(q, k, v, is_causal=True))
+    grouped = backend.openvc_attention(q, k[:, :, :1], v[:, :, :1], enable_gqa=True)
+    assert torch.equal(grouped, sdpa(q, k[:, :, :1], v[:, :, :1], enable_gqa=True))
+    assert torch.equal(backend.openvc_attention(q, k, v, scale=0.1), sdpa(q, k, v, scale=0.1))
+    assert backend.calls() == {(SELF, SDPA): 3}
+
+
+def test_the_default_scale_however_spelled_takes_open_vc(registered):
+    q, k, v = (torch.randn(1, 256, 2, 128) for _ in range(3))
+    calls = registered({"min_tokens": 0})
+    spellings = (None, 128**-0.5, 1 / math.sqrt(128), torch.tensor(128**-0.5, dtype=torch.float32).item())
+    for scale in spellings:
+        backend.openvc_attention(q, k, v, scale=scale)
+    assert calls == {(SELF, OPENVC): len(spellings)}
+    for scale in (0.1, 128**-0.5 * (1 + 1e-5), 64**-0.5, 0.0):
+        assert not backend.is_default_scale(scale, 128), scale
+
+
+def test_a_fallback_call_keeps_its_context_parallel_config(registered, monkeypatch):
+    """Under context parallelism a call that goes to native attention still attends across the ranks."""
+    passed = {}
+    monkeypatch.setattr(backend, "dispatch_attention_fn", lambda *args, **kwargs: passed.update(kwargs))
+    registered({"min_tokens": 0})
+    q, k, v = (torch.randn(1, 256, 2, 128) for _ in range(3))
+    sharding = object()
+    backend.openvc_attention(q, k, v, dropout_p=0.1, _parallel_config=sharding)
+    assert passed == {"backend": AttentionBackendName.NATIVE, "parallel_config": sharding}
+
+
+def test_parallel_degrees_take_effect_only_through_apply(registered, stock_afterwards):
+    """A config's parallel degrees with the backend alone, or with a processor installed without ``apply``, would
+    run every rank on the whole sequence: refused at the first call, as is a sharding other than the config's."""
+    model, inputs = build("wan")
+    registered({"parallel": {"ulysses_degree": 2}})
+    model.set_attention_backend("openvc")
+    with pytest.raises(RuntimeError, match=r"parallel.ulysses_degree 2 shards the model only through "
+                       r"openvc_diffusers.apply\(pipe, config\), but this call runs under context parallelism none"):
+        forward(model, inputs)
+    model.set_attn_processor(openvc_diffusers.OpenVCProcessor({"parallel": {"ring_degree": 2}}))
+    with pytest.raises(RuntimeError, match=r"parallel.ring_degree 2 shards the model only through"):
+        forward(model, inputs)
+    config = openvc_diffusers.OpenVCConfig(ulysses_degree=2)
+    sharded = lambda ulysses, ring: SimpleNamespace(  # noqa: E731
+        context_parallel_config=SimpleNamespace(ulysses_degree=ulysses, ring_degree=ring)
+    )
+    backend.check_sharding(config, sharded(2, 1))
+    backend.check_sharding(openvc_diffusers.OpenVCConfig(), sharded(4, 2))  # diffusers' enable_parallelism alone
+    with pytest.raises(RuntimeError, match=r"parallel.ulysses_degree 2 .* context parallelism "
+                       r"parallel.ulysses_degree 2 x parallel.ring_degree 2: call apply"):
+        backend.check_sharding(config, sharded(2, 2))

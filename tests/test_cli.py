@@ -51,6 +51,17 @@ def test_config_is_loaded_while_parsing(tmp_path):
     path.write_text("min_tokens: 0\n")
     assert cli.config(str(path)) == OpenVCConfig(min_tokens=0)
     assert refused(cli.config, str(tmp_path)) == f"config file not found: {str(tmp_path)!r}"
+    assert cli.single_process_config(str(path)) == OpenVCConfig(min_tokens=0)
+
+
+def test_a_single_process_script_refuses_parallel_degrees():
+    ulysses = os.path.join(os.path.dirname(__file__), "..", "configs", "ulysses2.yaml")
+    assert cli.config(ulysses).ulysses_degree == 2
+    assert refused(cli.single_process_config, ulysses) == (
+        f"{ulysses!r} sets parallel.ulysses_degree 2, which needs one process per GPU; this script runs in one "
+        "process: take a config without parallel degrees, or shard in a torchrun script of your own "
+        "(examples/bench_ulysses.py)"
+    )
 
 
 def test_writable_paths(tmp_path, monkeypatch):

@@ -152,6 +152,7 @@ def test_parallel_not_a_mapping():
         ({"backends": ["openvc", "flash", "sdpa"]}, "backends", "'flash'"),
         ({"backends": ["sdpa", "fa4", "sdpa"]}, "backends", "['sdpa', 'fa4', 'sdpa']"),
         ({"backends": ["openvc", "fa4"]}, "backends", "['openvc', 'fa4']"),
+        ({"backends": ["sdpa", "openvc"]}, "backends", "['sdpa', 'openvc']"),
         ({"backends": []}, "backends", "[]"),
         ({"backends": "sdpa"}, "backends", "'sdpa'"),
         ({"cross_attention": "flash"}, "cross_attention", "'flash'"),
@@ -170,8 +171,30 @@ def test_bad_values_name_key_and_value(data, key, bad):
     assert "expected" in msg
 
 
+def test_a_number_read_as_text_says_why(tmp_path):
+    path = tmp_path / "exponent.yaml"
+    path.write_text("repair_ratio: 1e-2\n")  # YAML 1.1: no dot, so a string
+    hint = "(this number was read as text: write it unquoted, with a dot before any exponent, e.g. 1.0e-2 or 0.01)"
+    assert _error(str(path)).endswith(hint)
+    path.write_text("repair_ratio: 1.0e-2\n")
+    assert load_config(str(path)).repair_ratio == 0.01
+    assert _error({"min_tokens": "1024"}).endswith(hint)
+    assert not _error({"repair_ranking": "fast"}).endswith(hint)
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("min_tokens: 0\nwindow: 2\nmin_tokens: 4096\n")
+    message = _error(str(path))
+    assert "is not valid YAML" in message and "key 'min_tokens' is given twice; keep one" in message
+    assert "line 3" in message
+    path.write_text("parallel:\n  ring_degree: 2\n  ring_degree: 1\n")
+    assert "key 'ring_degree' is given twice" in _error(str(path))
+
+
 def test_missing_sdpa_says_why():
     assert "runs everywhere" in _error({"backends": ["openvc"]})
+    assert "'sdpa' last: it takes every call" in _error({"backends": ["openvc", "sdpa", "fa4"]})
 
 
 def test_missing_file(tmp_path):

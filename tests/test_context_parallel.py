@@ -88,6 +88,23 @@ def _through_enable_parallelism(degrees, policy, shapes) -> dict:
     return {"outs": {shape: _forward(model, shape) for shape in shapes}}
 
 
+def _enable_parallelism_then_apply(degrees, policy, shapes) -> dict:
+    """diffusers shards the model first, then ``apply`` installs Open-VC: a config without parallel degrees keeps that
+    sharding, one with them is refused (it would shard the model twice)."""
+    model = tiny_wan_transformer()
+    ulysses, ring = degrees
+    with mock.patch.object(torch.accelerator, "device_count", return_value=1):
+        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses, ring_degree=ring))
+    try:
+        openvc_diffusers.apply(model, {"parallel": {"ulysses_degree": ulysses, "ring_degree": ring}})
+        twice = None
+    except ValueError as e:
+        twice = str(e)
+    processor = openvc_diffusers.apply(model, POLICIES[policy])
+    outs = {shape: _forward(model, shape) for shape in shapes}
+    return {"outs": outs, "calls": dict(processor.calls), "twice": twice}
+
+
 def _enable_parallelism_refusal(degrees, policy, shapes) -> str | None:
     try:
         _through_enable_parallelism(degrees, policy, shapes)
@@ -126,6 +143,7 @@ def _ring_call(degrees, policy, shapes) -> torch.Tensor:
 ROUTES = {
     "apply": _through_apply,
     "enable_parallelism": _through_enable_parallelism,
+    "enable_parallelism_then_apply": _enable_parallelism_then_apply,
     "apply_refused": _apply_refusal,
     "enable_parallelism_refused": _enable_parallelism_refusal,
     "ring_call": _ring_call,
@@ -173,6 +191,8 @@ def two_ranks(tmp_path_factory):
         ("ulysses_backend", "enable_parallelism", (2, 1), "plain", [TINY]),
         ("ring", "apply", (1, 2), "plain", [ALIGNED, TINY]),
         ("ring_backend", "enable_parallelism", (1, 2), "plain", [ALIGNED]),
+        ("ulysses_then_apply", "enable_parallelism_then_apply", (2, 1), "plain", [TINY]),
+        ("ring_then_apply", "enable_parallelism_then_apply", (1, 2), "plain", [ALIGNED]),
         ("ring_repair", "apply", (1, 2), "repair", [ALIGNED]),
         ("ring_sdpa", "apply", (1, 2), "sdpa", [ALIGNED]),
         ("ring_min_tokens", "apply", (1, 2), "min_tokens", [ALIGNED]),
@@ -197,15 +217,16 @@ def four_ranks(tmp_path_factory):
 def test_ulysses_is_bitwise_one_process(two_ranks, one_process):
     """Ulysses moves whole heads: the attention of each is the single process's, bit for bit."""
     for saved in two_ranks:
-        for name in ("ulysses", "ulysses_backend"):
+        for name in ("ulysses", "ulysses_backend", "ulysses_then_apply"):
             assert torch.equal(saved[name]["outs"][TINY], one_process["plain"][TINY]), name
-        assert saved["ulysses"]["calls"] == CALLS
+        assert saved["ulysses"]["calls"] == saved["ulysses_then_apply"]["calls"] == CALLS
         assert saved["ulysses"]["uneven"] == "parallel.ulysses_degree 2 must divide the 63 video tokens of this call"
 
 
 def test_ring_matches_one_process(two_ranks, one_process):
     for saved in two_ranks:
-        for name, policy in (("ring", "plain"), ("ring_backend", "plain"), ("ring_repair", "repair")):
+        runs = (("ring", "plain"), ("ring_backend", "plain"), ("ring_then_apply", "plain"), ("ring_repair", "repair"))
+        for name, policy in runs:
             for shape, out in saved[name]["outs"].items():
                 error = rel_l2(out, one_process[policy][shape])
                 assert error < RING_TOLERANCE, (name, shape, error)
@@ -248,6 +269,16 @@ def test_ulysses_times_ring_matches_one_process(four_ranks, one_process):
         assert saved["unified"]["calls"] == CALLS
         expected = "parallel.ulysses_degree 2 x parallel.ring_degree 2 must divide the 63 video tokens of this call"
         assert saved["unified"]["uneven"] == expected
+
+
+def test_a_sharded_model_is_not_sharded_again(two_ranks):
+    for saved in two_ranks:
+        for name, degrees in (("ulysses_then_apply", "ulysses_degree 2"), ("ring_then_apply", "ring_degree 2")):
+            assert saved[name]["twice"] == (
+                "WanTransformer3DModel is sharded already (by enable_parallelism or an earlier apply); "
+                f"parallel.{degrees} would shard it twice: load the model again, or apply a config without parallel "
+                "degrees (the sharding in place is kept)"
+            )
 
 
 def test_degrees_must_make_the_world(two_ranks, four_ranks):

@@ -135,6 +135,10 @@ def test_config_errors_name_the_key(name, tmp_path, capsys):
     assert message.startswith("argument --config: unknown key 'min_token'. Did you mean 'min_tokens'?")
     bad.write_text("backends: [openvc\n")  # YAML's own message spans lines
     assert "is not valid YAML" in argument_error(capsys, without_pipeline(name).main, ["--config", str(bad)])
+    bad.write_text("parallel:\n  ring_degree: 2\n")  # refused before the stock run, not by apply() after it
+    assert "sets parallel.ring_degree 2, which needs one process per GPU" in argument_error(
+        capsys, without_pipeline(name).main, ["--config", str(bad)]
+    )
 
 
 @pytest.mark.parametrize("name", ["generate", "calibrate"])

@@ -259,6 +259,27 @@ def test_apply_refuses_attention_it_does_not_cover():
     assert all(family.name in str(error.value) for family in FAMILIES)
 
 
+def test_a_processor_refuses_attention_of_another_family():
+    """Installed by hand on a module whose class names another stock processor, a family's processor says which
+    it mirrors at the first call, where its stock code failed on a missing attribute (LTX under Wan's: add_k_proj)."""
+    from openvc_diffusers.processors import LTXVideoOpenVCProcessor, OpenVCProcessor
+
+    for name, processor, module, stock in (
+        ("ltx", OpenVCProcessor(), "LTXAttention", "LTXVideoAttnProcessor"),
+        ("wan", LTXVideoOpenVCProcessor(), "WanAttention", "WanAttnProcessor"),
+    ):
+        model, inputs = build(name)
+        model.set_attn_processor(processor)
+        mirrors = ", ".join(c.__name__ for c in processor.stock_processors)
+        with pytest.raises(TypeError, match=rf"{type(processor).__name__} mirrors {mirrors}, but {module} runs {stock}"):
+            forward(model, inputs)
+    for name in ("wan", "skyreels", "ltx"):  # each family's own processor is taken where apply puts it
+        model, inputs = build(name)
+        family = next(f for f in FAMILIES if type(next(iter(model.attn_processors.values()))) in f.stock)
+        model.set_attn_processor(family.processor({"min_tokens": 0}))
+        forward(model, inputs)
+
+
 def test_step_tracking_finds_a_positional_timestep():
     # LTX takes timestep third; bf16_steps must still see the steps.
     model, inputs = build("ltx")

@@ -18,6 +18,7 @@ import openvc_kernels
 from openvc_diffusers import OpenVCProcessor
 from openvc_diffusers.tiny import tiny_wan_inputs, tiny_wan_transformer
 from openvc_kernels.forward_only import FORWARD_ONLY
+from openvc_kernels.preparation import prepare_reference
 from openvc_kernels.quant import CODE_SPAN_LIMIT, limit_code_span, quantize_per_block
 
 LENGTHS = (1, 127, 128, 129, 256, 1000)
@@ -201,6 +202,66 @@ def test_positive_scales_of_any_real_type_are_taken(fresh_seed):
     expected = openvc_kernels.reference_attention(q, k, v, softmax_scale=0.25)
     for scale in (np.float32(0.25), np.float64(0.25), 0.25):
         assert torch.equal(openvc_kernels.reference_attention(q, k, v, softmax_scale=scale), expected)
+
+
+@pytest.mark.parametrize("flag", ["no", 1, None])
+def test_return_lse_must_be_a_bool(flag):
+    """A truthy string would silently return a tuple."""
+    q = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
+    message = rf"return_lse must be True or False, got {re.escape(repr(flag))}"
+    for entry in (openvc_kernels.reference_attention, openvc_kernels.attention):
+        with pytest.raises(ValueError, match=message):
+            entry(q, q, q, return_lse=flag)
+
+
+def test_attention_prepared_checks_its_options_and_out():
+    """The kernel stops writing at ``out``'s length and visits the prepared query tiles: an ``out`` of another
+    length, layout, dtype or shape would come back with rows never written. Checked before anything runs (here on
+    the CPU: the kernel itself is never reached)."""
+    q = torch.randn(2, 300, 3, 128, dtype=torch.bfloat16)
+    prepared = prepare_reference(q, q, q)
+    ok = torch.empty(2, 300, 3, 128, dtype=torch.bfloat16)
+    accepted = re.escape(
+        "accepted: a contiguous torch.bfloat16 tensor (batch, seq_q, heads, 128) = (2, S_q, 3, 128) on cpu, S_q from "
+        "257 to 384 (the prepared query length)"
+    )
+    bad_outs = {
+        "longer": torch.empty(2, 385, 3, 128, dtype=torch.bfloat16),
+        "shorter": torch.empty(2, 256, 3, 128, dtype=torch.bfloat16),
+        "heads": torch.empty(2, 300, 4, 128, dtype=torch.bfloat16),
+        "dtype": ok.half(),
+        "strided": torch.empty(2, 3, 300, 128, dtype=torch.bfloat16).transpose(1, 2),
+    }
+    for name, out in bad_outs.items():
+        with pytest.raises(ValueError, match=rf"out is a .* tensor of shape .*; {accepted}"):
+            openvc_kernels.attention_prepared(prepared, out, softmax_scale=0.1)
+    with pytest.raises(ValueError, match=r"out must be a torch.Tensor, got NoneType"):
+        openvc_kernels.attention_prepared(prepared, None, softmax_scale=0.1)
+    for options, message in (
+        ({"window": -1}, "window must be an int >= 0 or None (plain order), got -1"),
+        ({"window": 2.0}, "window must be an int >= 0 or None (plain order), got 2.0"),
+        ({"split_tail": "yes"}, "split_tail must be True or False, got 'yes'"),
+        ({"return_lse": 1}, "return_lse must be True or False, got 1"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            openvc_kernels.attention_prepared(prepared, ok, softmax_scale=0.1, **options)
+
+
+def test_a_window_past_the_key_tiles_is_clamped_to_the_same_order():
+    """Any window from the key tile count on visits in one order (the reference's ``visiting_order``); the kernel
+    takes it as an Int32, so ``forward_args`` clamps it (2**31 would wrap to a negative start tile)."""
+    from openvc_kernels.ops import forward_args
+    from openvc_kernels.reference import visiting_order
+
+    n_k = 3
+    for n_q in (1, 3, 7):
+        assert torch.equal(visiting_order(n_q, n_k, n_k), visiting_order(n_q, n_k, 2**40))
+        assert not torch.equal(visiting_order(n_q, n_k, n_k - 2), visiting_order(n_q, n_k, n_k))
+    q = torch.randn(1, 300, 2, 128, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    for window, taken in ((None, 0), (0, 0), (2, 2), (n_k, n_k), (2**31, n_k), (2**40, n_k)):
+        args = forward_args(prepare_reference(q, q, q), out, softmax_scale=0.1, window=window, split_tail=False)
+        assert args.window == taken, window
 
 
 @pytest.mark.parametrize("flag", ["no", 1, None])

@@ -2,6 +2,7 @@
 
 import importlib
 import logging
+import re
 
 import pytest
 import torch
@@ -152,6 +153,16 @@ def test_attention_function_on_cpu_uses_the_reference():
     assert rel_l2(out, exact_attention(q, k, v)) < 0.065
     plain = openvc_diffusers.attention(q, k, v, {"min_tokens": 0, "repair_ratio": 0.0, "smooth_k": False})
     assert torch.equal(plain, openvc_kernels.reference_attention(q, k, v, repair_ratio=0.0, window=4))
+
+
+@pytest.mark.parametrize("name,value", [("layer", "3"), ("layer", -1), ("step", 2.0), ("step", True)])
+def test_attention_function_takes_int_layer_and_step(name, value):
+    """A layer "3" would never match bf16_layers' 3: the call would take Open-VC without a word."""
+    q = torch.randn(1, 300, 2, 128)
+    with pytest.raises(ValueError, match=rf"{name} must be an int >= 0 or None, got {re.escape(repr(value))}"):
+        openvc_diffusers.attention(q, q, q, {"min_tokens": 0, "bf16_layers": [3]}, **{name: value})
+    with pytest.raises(ValueError, match=r"is_cross must be True, False or None \(k not as long as q\), got 'no'"):
+        openvc_diffusers.attention(q, q, q, is_cross="no")
 
 
 def test_torch_compile_of_the_transformer_gives_the_eager_output():

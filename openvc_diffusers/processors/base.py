@@ -57,6 +57,19 @@ def count_compiled_calls(*hook_args) -> None:
         processor.check_bf16_layers()  # apply numbered the layers before any forward
 
 
+def check_serves(processor: "OpenVCProcessorBase", attn: torch.nn.Module) -> None:
+    """Raise ``TypeError`` where ``attn``'s class names its stock processor (diffusers' ``_default_processor_cls``)
+    and ``processor`` does not mirror it: the stock code it runs would fail on the module's attributes, or compute
+    something else."""
+    stock = getattr(type(attn), "_default_processor_cls", None)
+    if stock is not None and stock not in processor.stock_processors:
+        mirrors = ", ".join(c.__name__ for c in processor.stock_processors)
+        raise TypeError(
+            f"{type(processor).__name__} mirrors {mirrors}, but {type(attn).__name__} runs {stock.__name__}: install "
+            "the Open-VC processor of its family, or let openvc_diffusers.apply(pipe) pick it"
+        )
+
+
 class OpenVCProcessorBase:
     """Base of the family processors; ``config`` is anything ``openvc_diffusers.load_config`` takes.
 
@@ -69,6 +82,8 @@ class OpenVCProcessorBase:
 
     # Set by openvc_diffusers.apply when a parallel degree is above 1, or by diffusers' enable_parallelism.
     _parallel_config = None
+    stock_processors: tuple[type, ...] = ()
+    """diffusers' processors this one mirrors and replaces (``apply`` installs it where it finds them)."""
 
     def __init__(self, config=None):
         self.config = load_config(config)
@@ -113,6 +128,7 @@ class OpenVCProcessorBase:
             if not torch.compiler.is_compiling() and route is not IN_FLIGHT.route:
                 self.check_bf16_layers()
             return route
+        check_serves(self, attn)
         index = None if is_cross else self.layer_count
         self.layer_count += not is_cross
         route = Route(

@@ -6,6 +6,7 @@ once. The processor is here so ``apply`` covers the family and ``calls`` shows w
 """
 
 import torch
+from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
 
 from .base import OpenVCProcessorBase
@@ -13,6 +14,8 @@ from .base import OpenVCProcessorBase
 
 class CogVideoXOpenVCProcessor(OpenVCProcessorBase):
     """``CogVideoXAttnProcessor2_0`` with attention through the policy (kind "self": the video tokens')."""
+
+    stock_processors = (CogVideoXAttnProcessor2_0,)
 
     def __call__(
         self,

@@ -13,6 +13,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
+from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
 from openvc_kernels.rotary import rotate_qk
 
@@ -98,6 +100,8 @@ def output_projection(attn, hidden_states: torch.Tensor, encoder_hidden_states: 
 class HunyuanVideoOpenVCProcessor(OpenVCProcessorBase):
     """``HunyuanVideoAttnProcessor2_0`` (dual- and single-stream blocks) with attention through Open-VC."""
 
+    stock_processors = (HunyuanVideoAttnProcessor2_0,)
+
     def __call__(
         self,
         attn,
@@ -145,6 +149,8 @@ class HunyuanVideoOpenVCProcessor(OpenVCProcessorBase):
 
 class HunyuanVideo15OpenVCProcessor(OpenVCProcessorBase):
     """``HunyuanVideo15AttnProcessor2_0`` with attention through Open-VC."""
+
+    stock_processors = (HunyuanVideo15AttnProcessor2_0,)
 
     def __call__(
         self,

@@ -11,6 +11,8 @@ from .base import OpenVCProcessorBase
 class LTXVideoOpenVCProcessor(OpenVCProcessorBase, LTXVideoAttnProcessor):
     """``LTXVideoAttnProcessor`` with attention through Open-VC."""
 
+    stock_processors = (LTXVideoAttnProcessor,)
+
     def __call__(
         self,
         attn,

@@ -8,6 +8,7 @@ without its padding, so every call is unmasked (kind "self": it is the video tok
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.attention_processor import MochiAttnProcessor2_0
 
 from .base import OpenVCProcessorBase, context_qkv, video_qkv
 
@@ -25,6 +26,8 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.
 
 class MochiOpenVCProcessor(OpenVCProcessorBase):
     """``MochiAttnProcessor2_0`` with attention through Open-VC."""
+
+    stock_processors = (MochiAttnProcessor2_0,)
 
     def __call__(
         self,

@@ -2,6 +2,7 @@
 ``WanAttnProcessor``'s signature (rotary embeddings, QK norms, I2V image context)."""
 
 import torch
+from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2AttnProcessor
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from .base import OpenVCProcessorBase, eager_inference
@@ -17,6 +18,8 @@ class OpenVCProcessor(OpenVCProcessorBase, WanAttnProcessor):
     in for SkyReels-V2's ``SkyReelsV2AttnProcessor``: same signature and computation (its ``_get_qkv_projections``
     tests ``cross_attention_dim_head``, which is Wan's ``is_cross_attention``).
     """
+
+    stock_processors = (WanAttnProcessor, SkyReelsV2AttnProcessor)
 
     def __call__(
         self,
