@@ -137,7 +137,8 @@ class Capture:
         if not is_cross:
             layer = self._layer(attn)
             if (self.step, layer) in self.wanted:
-                self._keep(f"step{self.step}.layer{layer}", q, k, v, **kwargs)
+                masking = {name: kwargs[name] for name in ("attn_mask", "valid_len", "pad_queries") if name in kwargs}
+                self._keep(f"step{self.step}.layer{layer}", q, k, v, **masking)
                 self.wanted.remove((self.step, layer))
                 if not self.wanted:
                     raise CaptureComplete

@@ -263,13 +263,15 @@ def attention_prepared(
 
 
 def check_prepared_out(prepared: Prepared, out: torch.Tensor) -> None:
-    """Raise ``ValueError`` unless ``out`` is what the kernel writes for ``prepared``: every row of it, no more (the
-    kernel visits the prepared query tiles and stops at ``out``'s length)."""
+    """Raise ``ValueError`` unless the kernel writes every row of ``out`` for ``prepared``: it visits the prepared
+    query tiles and stops at ``out``'s length, so that length must end in the last tile (``Prepared`` does not keep
+    q's exact length)."""
     batch, heads, s_q_pad, _ = prepared.q8.shape
     device = prepared.q8.device
     accepted = (
         f"accepted: a contiguous {OUT_DTYPE} tensor (batch, seq_q, heads, {HEAD_DIM}) = ({batch}, S_q, {heads}, "
-        f"{HEAD_DIM}) on {device}, S_q from {s_q_pad - BLOCK + 1} to {s_q_pad} (the prepared query length)"
+        f"{HEAD_DIM}) on {device}, S_q from {s_q_pad - BLOCK + 1} to {s_q_pad} (in the last prepared query tile: q's "
+        "length when it was prepared; rows past it would be written from the tile's padding)"
     )
     if not isinstance(out, torch.Tensor):
         raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}; {accepted}")

@@ -130,7 +130,7 @@ def apply(target, config=None) -> OpenVCProcessorBase:
 def _sharding_in_place(models: list[torch.nn.Module], config):
     """The context-parallel config the models run under already (diffusers' ``enable_parallelism``, or an earlier
     ``apply``), which a config without parallel degrees keeps; None where they are not sharded. ``ValueError``
-    where the config would shard them a second time, or only some of the transformers are sharded."""
+    where the config would shard them a second time, or the transformers are not all sharded alike."""
     found = [getattr(model, "_parallel_config", None) for model in models]
     sharded = [c for c in found if c is not None and c.context_parallel_config is not None]
     if not sharded:
@@ -142,6 +142,10 @@ def _sharding_in_place(models: list[torch.nn.Module], config):
             f"{describe_degrees(config.ulysses_degree, config.ring_degree)} would shard it twice: load the model "
             "again, or apply a config without parallel degrees (the sharding in place is kept)"
         )
-    if len(sharded) != len(models):
-        raise ValueError(f"only {len(sharded)} of the pipeline's {len(models)} transformers are sharded: shard all")
+    shardings = {(c.context_parallel_config.ulysses_degree, c.context_parallel_config.ring_degree) for c in sharded}
+    if len(sharded) != len(models) or len(shardings) != 1:
+        raise ValueError(
+            f"the pipeline's {len(models)} transformers share one Open-VC processor, so they must be sharded alike; "
+            f"{len(sharded)} are sharded, (ulysses_degree, ring_degree) {sorted(shardings)}"
+        )
     return sharded[0]

@@ -44,9 +44,6 @@ TESTED_DIFFUSERS = ((0, 37), (0, 43))
 """diffusers releases the package was tested on: from the first (inclusive) to the second (exclusive). The registry's
 ``supports_context_parallel`` dates from 0.36; 0.37 is the first whose Wan context-parallel plan leaves the text
 context whole on every rank, which Ulysses here relies on (cross-attention takes no all-to-all)."""
-DEFAULT_SCALE_TOLERANCE = 1e-6
-"""A ``scale`` this close (relative) to ``1 / sqrt(head_dim)`` is taken as Open-VC's: the scores move by far less
-than their FP8 rounding. Any other scale goes to diffusers' native attention."""
 
 
 def check_diffusers_version(version: str = diffusers.__version__) -> None:
@@ -180,15 +177,17 @@ def openvc_attention(
             )
         return attend(_registered, query, key, value, attn_mask=attn_mask, parallel_config=_parallel_config)
     # An Open-VC processor's call: through its _attend, which subclasses extend (examples/ time and capture there).
-    out = route.owner._attend(route.attn, query, key, value, is_cross=route.is_cross, attn_mask=attn_mask)
+    out = route.owner._attend(
+        route.attn, query, key, value, is_cross=route.is_cross, attn_mask=attn_mask, parallel_config=_parallel_config
+    )
     return out.unflatten(2, (query.shape[2], -1))
 
 
 def is_default_scale(scale: float | None, head_dim: int) -> bool:
-    """Whether ``scale`` is the softmax scale Open-VC uses, ``1 / sqrt(head_dim)``: None, or that value to within
-    ``DEFAULT_SCALE_TOLERANCE`` (``head_dim ** -0.5`` and ``1 / math.sqrt(head_dim)`` differ in the last bit, and a
-    model may hold it in float32)."""
-    return scale is None or math.isclose(scale, head_dim**-0.5, rel_tol=DEFAULT_SCALE_TOLERANCE)
+    """Whether ``scale`` is the softmax scale every backend of the policy uses, ``1 / sqrt(head_dim)``: None, or
+    either float64 spelling of it (``head_dim ** -0.5`` and ``1 / math.sqrt(head_dim)`` differ in the last bit).
+    The policy's BF16 fallbacks take no scale, so any other value, however close, goes to native attention."""
+    return scale is None or scale == head_dim**-0.5 or scale == 1 / math.sqrt(head_dim)
 
 
 def _is_cross(route: Route, q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -197,9 +196,10 @@ def _is_cross(route: Route, q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def check_sharding(config: OpenVCConfig, parallel_config) -> None:
-    """Raise unless the context parallelism in effect is the one ``config``'s parallel degrees ask for: they take
-    effect only through ``openvc_diffusers.apply``, and an Open-VC processor or the backend alone would otherwise run
-    every rank on the whole sequence (or on another sharding) without a word."""
+    """Raise unless a self-attention call runs under the context parallelism ``config``'s parallel degrees ask for
+    (``parallel_config``: the call's; diffusers passes none with cross-attention whose context it leaves whole): they
+    take effect only through ``openvc_diffusers.apply``, and an Open-VC processor or the backend alone would otherwise
+    run every rank on the whole sequence (or on another sharding) without a word."""
     if config.ulysses_degree * config.ring_degree == 1:
         return
     cp = None if parallel_config is None else parallel_config.context_parallel_config
@@ -231,15 +231,19 @@ def attend(
     gives a row with no key), so those rows are trimmed too.
 
     Under context parallelism (``parallel_config`` set, ``parallel.py``) self-attention is exchanged and passed
-    around the ranks (``attend_shard``); cross-attention needs neither: each rank's query shard attends to the whole
-    context.
+    around the ranks (``attend_shard``); cross-attention needs neither where diffusers leaves the context whole
+    (Wan: it passes no parallel config), and where it shards the context too (LTX's plan splits the prompt and its
+    mask: it passes the config), each rank gathers every rank's part of it (``gather_context``).
     """
-    check_sharding(route.config, parallel_config)
     is_cross = _is_cross(route, q, k)
+    if not is_cross:
+        check_sharding(route.config, parallel_config)
     if parallel_config is not None and not is_cross:
         if attn_mask is not None:
             raise RuntimeError("Open-VC: masked self-attention under context parallelism is not supported")
         return sharded_attention(q, k, v, parallel_config, functools.partial(attend_shard, route))
+    if parallel_config is not None:
+        k, v, attn_mask = gather_context(k, v, attn_mask, parallel_config)
     trim = valid_len is not None
     q_seen = q[:, :valid_len] if trim and pad_queries else q
     layer = None if is_cross else route.layer
@@ -251,6 +255,17 @@ def attend(
         out = run(decision, route.config, q_seen, k[:, :valid_len], v[:, :valid_len])
         return F.pad(out, (0, 0, 0, 0, 0, q.shape[1] - q_seen.shape[1]))
     return run(decision, route.config, q, k, v, attn_mask=attn_mask, attention_backend=route.fallback)
+
+
+def gather_context(k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, parallel_config):
+    """A cross-attention call's context, sharded along the sequence by diffusers' plan over the whole context-parallel
+    mesh (in the flattened mesh's rank order, as its sharder splits it), gathered on every rank: ``(B, T, H, D)``
+    k and v, and the mask's last dim (the keys) likewise."""
+    group = parallel_config.context_parallel_config._flattened_mesh.get_group()
+    k, v = gather_sequence(k, group), gather_sequence(v, group)
+    if attn_mask is not None:
+        attn_mask = gather_sequence(attn_mask.movedim(-1, 1), group).movedim(1, -1)
+    return k, v, attn_mask
 
 
 def attend_shard(route: Route, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring_group, ring_degree: int):

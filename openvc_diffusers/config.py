@@ -135,11 +135,19 @@ def load_config(source: OpenVCConfig | Mapping[str, Any] | str | os.PathLike | N
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping (it would keep the last one silently)."""
 
+    MERGE_TAG = "tag:yaml.org,2002:merge"
+
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == self.MERGE_TAG:  # `<<: *base`: keys written next to it override the merged ones
+                continue
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            try:
+                given_twice = key in seen
+            except TypeError:  # an unhashable key: the safe loader refuses it with its own error
+                continue
+            if given_twice:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} is given twice; keep one", key_node.start_mark
                 )
@@ -193,13 +201,12 @@ def _fail(key: str, value: Any, accepted: str):
     raise ConfigError(f"{key}: got {value!r}; expected {accepted}{_text_number_hint(value)}")
 
 
+_NUMBER_TEXT = re.compile(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*")
+
+
 def _text_number_hint(value: Any) -> str:
     """For a number that YAML read as text: why (PyYAML follows YAML 1.1, where ``1e-2`` is not a float)."""
-    if not isinstance(value, str):
-        return ""
-    try:
-        float(value)
-    except ValueError:
+    if not isinstance(value, str) or not _NUMBER_TEXT.fullmatch(value):
         return ""
     return " (this number was read as text: write it unquoted, with a dot before any exponent, e.g. 1.0e-2 or 0.01)"
 

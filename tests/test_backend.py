@@ -227,11 +227,13 @@ def test_other_attention_arguments_go_to_native_attention(registered):
 def test_the_default_scale_however_spelled_takes_open_vc(registered):
     q, k, v = (torch.randn(1, 256, 2, 128) for _ in range(3))
     calls = registered({"min_tokens": 0})
-    spellings = (None, 128**-0.5, 1 / math.sqrt(128), torch.tensor(128**-0.5, dtype=torch.float32).item())
+    spellings = (None, 128**-0.5, 1 / math.sqrt(128))
+    assert 128**-0.5 != 1 / math.sqrt(128)  # the last bit: both must count
     for scale in spellings:
         backend.openvc_attention(q, k, v, scale=scale)
     assert calls == {(SELF, OPENVC): len(spellings)}
-    for scale in (0.1, 128**-0.5 * (1 + 1e-5), 64**-0.5, 0.0):
+    # The BF16 fallbacks take no scale: one held in float32, however close, must reach an attention that uses it.
+    for scale in (0.1, torch.tensor(128**-0.5, dtype=torch.float32).item(), 64**-0.5, 0.0):
         assert not backend.is_default_scale(scale, 128), scale
 
 
@@ -251,6 +253,9 @@ def test_parallel_degrees_take_effect_only_through_apply(registered, stock_after
     run every rank on the whole sequence: refused at the first call, as is a sharding other than the config's."""
     model, inputs = build("wan")
     registered({"parallel": {"ulysses_degree": 2}})
+    # Cross-attention: diffusers passes no parallel config where it leaves the context whole (Wan): not refused.
+    q, context = torch.randn(1, 256, 2, 128), torch.randn(1, 16, 2, 128)
+    backend.openvc_attention(q, context, context)
     model.set_attention_backend("openvc")
     with pytest.raises(RuntimeError, match=r"parallel.ulysses_degree 2 shards the model only through "
                        r"openvc_diffusers.apply\(pipe, config\), but this call runs under context parallelism none"):

@@ -180,6 +180,7 @@ def test_a_number_read_as_text_says_why(tmp_path):
     assert load_config(str(path)).repair_ratio == 0.01
     assert _error({"min_tokens": "1024"}).endswith(hint)
     assert not _error({"repair_ranking": "fast"}).endswith(hint)
+    assert not _error({"repair_ranking": "nan"}).endswith(hint)
 
 
 def test_a_key_given_twice_is_refused(tmp_path):
@@ -190,6 +191,11 @@ def test_a_key_given_twice_is_refused(tmp_path):
     assert "line 3" in message
     path.write_text("parallel:\n  ring_degree: 2\n  ring_degree: 1\n")
     assert "key 'ring_degree' is given twice" in _error(str(path))
+    # A merge key is not a key given twice, nor is a key that overrides a merged one.
+    path.write_text("parallel:\n  <<: {ring_degree: 2, ulysses_degree: 1}\n  ulysses_degree: 2\n")
+    assert load_config(str(path)) == OpenVCConfig(ring_degree=2, ulysses_degree=2)
+    path.write_text("? [a, b]\n: 1\n")  # an unhashable key: YAML's own error, as a ConfigError
+    assert "is not valid YAML" in _error(str(path)) and "unhashable" in _error(str(path))
 
 
 def test_missing_sdpa_says_why():

@@ -218,12 +218,14 @@ def test_attention_prepared_checks_its_options_and_out():
     """The kernel stops writing at ``out``'s length and visits the prepared query tiles: an ``out`` of another
     length, layout, dtype or shape would come back with rows never written. Checked before anything runs (here on
     the CPU: the kernel itself is never reached)."""
+    from openvc_kernels.ops import check_prepared_out
+
     q = torch.randn(2, 300, 3, 128, dtype=torch.bfloat16)
     prepared = prepare_reference(q, q, q)
     ok = torch.empty(2, 300, 3, 128, dtype=torch.bfloat16)
     accepted = re.escape(
         "accepted: a contiguous torch.bfloat16 tensor (batch, seq_q, heads, 128) = (2, S_q, 3, 128) on cpu, S_q from "
-        "257 to 384 (the prepared query length)"
+        "257 to 384 (in the last prepared query tile"
     )
     bad_outs = {
         "longer": torch.empty(2, 385, 3, 128, dtype=torch.bfloat16),
@@ -232,6 +234,8 @@ def test_attention_prepared_checks_its_options_and_out():
         "dtype": ok.half(),
         "strided": torch.empty(2, 3, 300, 128, dtype=torch.bfloat16).transpose(1, 2),
     }
+    for length in (257, 300, 384):
+        check_prepared_out(prepared, torch.empty(2, length, 3, 128, dtype=torch.bfloat16))
     for name, out in bad_outs.items():
         with pytest.raises(ValueError, match=rf"out is a .* tensor of shape .*; {accepted}"):
             openvc_kernels.attention_prepared(prepared, out, softmax_scale=0.1)

@@ -138,6 +138,7 @@ for kind, dtype in prep_variants:
     out[f"{kind}/{dtype}"] = {
         "waits": wait_at < len(lines),
         "lets_next_start": lets_start_at < len(lines),
+        "waits_before_letting_next_start": wait_at < lets_start_at,
         "global_before_wait": [line for line in lines[:wait_at] if touches_global(line)],
         "global_after_wait": [line for line in lines[wait_at:] if touches_global(line)],
         "global_before_letting_next_start": [line for line in lines[:lets_start_at] if touches_global(line)],
@@ -236,15 +237,17 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
 @pytest.mark.parametrize("kind,dtype", VARIANTS)
 def test_a_launch_waits_for_the_one_before_it_to_touch_memory(ptx_ops, kind, dtype):
     """``sm90.dependent_launch``: every kernel of a call's chain waits for the launch before it ahead of its first
-    global load or store, then lets the next start; but Q's quantization, which lets the next start before it
-    touches memory and waits (in its last CTA) after its last global access."""
+    global load or store, then lets the next start (so that a kernel that starts beside it, Q's quantization, starts
+    once everything before it has completed); but Q's quantization, which lets the next start before it touches
+    memory and waits (in its last CTA) after its last global access."""
     compiled = ptx_ops[f"{kind}/{dtype}"]
     assert compiled["waits"] and compiled["lets_next_start"]
     assert compiled["global_before_letting_next_start"] == []
     if kind == "quantize_q":
         assert compiled["global_before_wait"] != [] and compiled["global_after_wait"] == []
+        assert not compiled["waits_before_letting_next_start"]
     else:
-        assert compiled["global_before_wait"] == []
+        assert compiled["global_before_wait"] == [] and compiled["waits_before_letting_next_start"]
 
 
 @pytest.mark.parametrize("kind", prep_ops.SELECT_KINDS)

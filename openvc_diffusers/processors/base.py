@@ -59,14 +59,16 @@ def count_compiled_calls(*hook_args) -> None:
 
 def check_serves(processor: "OpenVCProcessorBase", attn: torch.nn.Module) -> None:
     """Raise ``TypeError`` where ``attn``'s class names its stock processor (diffusers' ``_default_processor_cls``)
-    and ``processor`` does not mirror it: the stock code it runs would fail on the module's attributes, or compute
-    something else."""
+    and ``processor`` mirrors none of that name: the stock code it runs would fail on the module's attributes, or
+    compute something else. By name: diffusers' copies of a processor in other models (ChronoEdit's
+    ``WanAttnProcessor``) compute the same."""
     stock = getattr(type(attn), "_default_processor_cls", None)
-    if stock is not None and stock not in processor.stock_processors:
+    if stock is not None and stock.__name__ not in {c.__name__ for c in processor.stock_processors}:
         mirrors = ", ".join(c.__name__ for c in processor.stock_processors)
         raise TypeError(
-            f"{type(processor).__name__} mirrors {mirrors}, but {type(attn).__name__} runs {stock.__name__}: install "
-            "the Open-VC processor of its family, or let openvc_diffusers.apply(pipe) pick it"
+            f"{type(processor).__name__} mirrors {mirrors}, but {type(attn).__name__} runs "
+            f"{stock.__module__}.{stock.__name__}: install the Open-VC processor of its family, or let "
+            "openvc_diffusers.apply(pipe) pick it"
         )
 
 
@@ -80,7 +82,8 @@ class OpenVCProcessorBase:
     add nothing (its calls are counted once, at capture).
     """
 
-    # Set by openvc_diffusers.apply when a parallel degree is above 1, or by diffusers' enable_parallelism.
+    # Set by openvc_diffusers.apply when a parallel degree is above 1 or the model is sharded already, or by
+    # diffusers' enable_parallelism.
     _parallel_config = None
     stock_processors: tuple[type, ...] = ()
     """diffusers' processors this one mirrors and replaces (``apply`` installs it where it finds them)."""
@@ -193,8 +196,11 @@ class OpenVCProcessorBase:
         self, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cross: bool, **options
     ) -> torch.Tensor:
         """Attention on ``(B, S, H, D)`` through the backend the policy picks; ``(B, S_q, H * D)`` out. ``options``
-        are ``backend.attend``'s: ``attn_mask``, ``valid_len``, ``pad_queries``."""
+        are ``backend.attend``'s: ``attn_mask``, ``valid_len``, ``pad_queries``, and ``parallel_config``: the one
+        diffusers' stock code passed with the call (None for cross-attention to a context it leaves whole), else
+        this processor's."""
         self._check_step_tracking()
         route = self.route(attn, is_cross=is_cross)
-        out = attend(route, q, k, v, parallel_config=self._parallel_config, **options)
+        options.setdefault("parallel_config", self._parallel_config)
+        out = attend(route, q, k, v, **options)
         return out.flatten(2, 3).type_as(q)
