@@ -86,7 +86,7 @@ def check_model(model: torch.nn.Module, ulysses_degree: int, ring_degree: int) -
     world = ulysses_degree * ring_degree
     if getattr(model, "_cp_plan", None) is None:
         raise ValueError(
-            f"{name} has no context-parallel plan (_cp_plan); {degrees} needs one (Wan, SkyReels-V2, LTX)"
+            f"{name} has no context-parallel plan (_cp_plan); {degrees} needs one (Wan, LTX-Video)"
         )
     heads = model.config.num_attention_heads
     if heads % ulysses_degree:
