@@ -22,10 +22,10 @@ E4M3_MIN_EXPONENT = -6
 ZERO_EXPONENT = -126
 MIN_ALIGN_EXPONENT = -100
 LOW_BITS_MASK = ~((1 << (23 - FRACTION_BITS)) - 1)
-PV_PROMOTE_EVERY = 4
+PV_PROMOTE_EVERY = 8
 """Key tiles the sm90 kernel's PV wgmma adds up before its sum moves into FP32 registers: the default of
-``sm90.config.ForwardConfig.promote_every``, which the reference models. Why 4 (accuracy alike for chains of 1, 2
-or 4 tiles, the fastest with ping-pong): notes/kernel.md, session 4."""
+``sm90.config.ForwardConfig.promote_every``, which the reference models. Why 8 (half the promotions' FFMAs; the
+longer chains cost accuracy only where attention is near-uniform): notes/kernel.md, 2026-12-05."""
 
 
 def _exponent(x: torch.Tensor) -> torch.Tensor:

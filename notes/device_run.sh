@@ -35,11 +35,14 @@ export PYTHONUNBUFFERED=1
 STASH=/tmp/wheels
 SITE=/tmp/site
 mkdir -p $STASH
+# Copies what a folder carries into a stash, keeping what is there (cp -n warns on newer coreutils, and
+# --update=none is missing from older ones).
+stash() { for f in "$1"/*; do [ -e "$2/${f##*/}" ] || cp "$f" "$2/"; done; }
 # The peers first: a call carrying only .whl/peers installs them and then stops at the pieces' check (exit 3).
 EXTRA_STASH=/tmp/wheels-extra
 EXTRA_SITE=/tmp/site-extra
 mkdir -p $EXTRA_STASH $EXTRA_SITE
-for d in .whl/extra .whl/peers .whl/v[0-9]*; do [ -d "$d" ] && cp -n "$d"/* $EXTRA_STASH/; done
+for d in .whl/extra .whl/peers .whl/v[0-9]*; do [ -d "$d" ] && stash "$d" $EXTRA_STASH; done
 # A wheel over a call's share comes in parts (NAME.whl.part00, ...) with NAME.whl.parts, their count: joined once all came.
 for count in $EXTRA_STASH/*.whl.parts; do
   wheel=${count%.parts}
@@ -52,7 +55,7 @@ for wheel in $EXTRA_STASH/*.whl; do
   python3 -m pip install -q --no-index --no-deps --no-compile --target $EXTRA_SITE "$wheel" || exit 4
   touch "$EXTRA_SITE/.installed-${wheel##*/}"
 done
-for d in .whl/c*; do [ -d "$d" ] && cp -n "$d"/* $STASH/; done
+for d in .whl/c*; do [ -d "$d" ] && stash "$d" $STASH; done
 if [ ! -f $SITE/.installed ]; then
   [ -f $STASH/MANIFEST ] || { echo "stashed: $(ls $STASH | wc -l) files, no MANIFEST yet"; exit 3; }
   missing=$(cd $STASH && while read -r piece; do [ -f "$piece" ] || echo "$piece"; done < MANIFEST | wc -l)
