@@ -2,9 +2,10 @@
 ``wgmma.PV_PROMOTE_EVERY``), by how peaked the attention is.
 
 The processor's defaults (K smoothing, repair rho 0.005), the wgmma-summing reference, bf16 inputs, S = 4096, H = 2:
-rel-L2 against float64 attention with PV promoted every 4 key tiles (shipped) and every 8, for N(0, 1) inputs
-(near-uniform attention), sharper attention (q doubled, tripled), a channel offset on K, and attention that follows
-the sequence (q and k a smooth walk along it, q tripled). Prints a Markdown table; about two minutes a row.
+rel-L2 against float64 attention with PV promoted every 4 key tiles and every 8 (shipped since 2026-12-05), for N(0,
+1) inputs (near-uniform attention), sharper attention (q doubled, tripled), a channel offset on K, and attention
+that follows the sequence (q and k a smooth walk along it, q tripled). Prints a Markdown table; about two minutes a
+row.
 
     python notes/promote_accuracy.py [SEED]
 """
