@@ -37,6 +37,7 @@ import json
 import sys
 
 import torch
+from openvc_kernels.rotary import rotate_qk
 from safetensors.torch import save_file
 
 from openvc_diffusers import cli
@@ -138,7 +139,10 @@ class Capture:
             layer = self._layer(attn)
             if (self.step, layer) in self.wanted:
                 masking = {name: kwargs[name] for name in ("attn_mask", "valid_len", "pad_queries") if name in kwargs}
-                self._keep(f"step{self.step}.layer{layer}", q, k, v, **masking)
+                # The rotary embedding the backend would apply later (inside Open-VC's preparation), applied here.
+                rotary = kwargs.get("rotary")
+                kept_q, kept_k = (q, k) if rotary is None else rotate_qk(q, k, *rotary)
+                self._keep(f"step{self.step}.layer{layer}", kept_q, kept_k, v, **masking)
                 self.wanted.remove((self.step, layer))
                 if not self.wanted:
                     raise CaptureComplete

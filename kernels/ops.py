@@ -20,6 +20,7 @@ from .preparation import REPAIR_ROOM_ALIGN, Prepared, PrepareOptions
 from .sm90.layout import PV_N
 from .sm90.target import COMPILE_OPTIONS, row_major_fake
 from .quant import BLOCK, num_blocks, smoothing_lse_shift, softmax_scale_or_default
+from .rotary import rotate_qk, tables_reason
 from .split import TailSplit, plan_tail_split
 from .forward_only import raise_on_backward
 from .support import HEAD_DIM, KERNEL_DTYPES, KernelUnavailableError, input_unsupported_reason
@@ -141,8 +142,32 @@ def _dsl_module(name: str) -> types.ModuleType:
     return importlib.import_module(f"{__package__}.{name}")
 
 
-def _prepare_checked(q, k, v, options: PrepareOptions, v_absmax, k_mean) -> Prepared:
-    return _dsl_module("prep_ops").prepare(q, k, v, options, v_absmax=v_absmax, k_mean=k_mean)
+def _prepare_checked(q, k, v, options: PrepareOptions, v_absmax, k_mean, rotary=None) -> Prepared:
+    return _dsl_module("prep_ops").prepare(q, k, v, options, v_absmax=v_absmax, k_mean=k_mean, rotary=rotary)
+
+
+def check_rotary(q: torch.Tensor, k: torch.Tensor, rotary) -> None:
+    """Raise ``ValueError`` unless ``rotary`` is None or the (cos, sin) tables the kernel applies to q and k."""
+    if rotary is None:
+        return
+    accepted = (
+        f"accepted: None, or (cos, sin), two torch.float32 tensors (1, S, 1, {HEAD_DIM}) on q's device, S q's and "
+        "k's length (self-attention: q and k of one shape)"
+    )
+    if not isinstance(rotary, (tuple, list)) or len(rotary) != 2:
+        raise ValueError(f"rotary must be a (cos, sin) pair, got {type(rotary).__name__}; {accepted}")
+    if not all(isinstance(t, torch.Tensor) for t in rotary):
+        raise ValueError(f"rotary holds {', '.join(type(t).__name__ for t in rotary)}; {accepted}")
+    reason = tables_reason(q, k, *rotary)
+    if reason is not None:
+        raise ValueError(f"rotary cannot be applied: {reason}; {accepted}")
+
+
+def rotates_in_preparation(return_lse: bool, repair_ranking: str, v_absmax, k_mean) -> bool:
+    """Whether a call with a rotary embedding rotates q and k inside the preparation (``prep_ops.prepare``'s
+    ``rotary``), never writing them rotated: where nothing else reads them, so not for the lse's K-smoothing shift,
+    the "attention" repair ranking, nor a ring shard's shared scales; else ``rotary.rotate_qk`` runs first."""
+    return not return_lse and repair_ranking != "attention" and v_absmax is None and k_mean is None
 
 
 @functools.cache
@@ -299,24 +324,31 @@ def _attention_prepared_checked(prepared, out, softmax_scale, window, split_tail
     return (out, lse.transpose(1, 2)) if return_lse else out
 
 
-def _run(q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean, return_lse):
+def _run(
+    q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean, rotary, return_lse
+):
     """The custom ops' body: the checks, then ``_run_checked``."""
     # The checks run here, inside the op, where torch.compile does not trace (it would stop at the package lookup).
     _check_kernel_args(q, k, v, repair_ratio, window, repair_ranking, softmax_scale, smooth_k, v_absmax, k_mean)
+    check_rotary(q, k, rotary)
     return _run_checked(
-        q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean, return_lse
+        q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean, rotary, return_lse
     )
 
 
 def _run_checked(
-    q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean, return_lse
+    q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean, rotary, return_lse
 ):
-    """The fused preparation, the kernel, and with K smoothing the lse's ``q . mean`` shift (K's mean then reduced
-    here, once, for both), on checked arguments."""
+    """The rotary embedding (inside the preparation where ``rotates_in_preparation``), the fused preparation, the
+    kernel, and with K smoothing the lse's ``q . mean`` shift (K's mean then reduced here, once, for both), on
+    checked arguments."""
+    if rotary is not None and not rotates_in_preparation(return_lse, repair_ranking, v_absmax, k_mean):
+        q, k = rotate_qk(q, k, *rotary)
+        rotary = None
     if return_lse and smooth_k:
         k_mean = _dsl_module("prep_ops").smoothing_mean(k, k_mean)
     options = PrepareOptions(smooth_k, repair_ratio, repair_ranking, softmax_scale)
-    prepared = _prepare_checked(q, k, v, options, v_absmax, k_mean)
+    prepared = _prepare_checked(q, k, v, options, v_absmax, k_mean, rotary)
     out = torch.empty(q.shape, dtype=OUT_DTYPE, device=q.device)
     result = _attention_prepared_checked(prepared, out, softmax_scale, window, True, return_lse)
     if return_lse and smooth_k:
@@ -336,12 +368,17 @@ def _attention_op(
     repair_ranking: str,
     v_absmax: torch.Tensor | None,
     k_mean: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return _run(q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean, False)
+    rotary = None if rotary_cos is None else (rotary_cos, rotary_sin)
+    return _run(
+        q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean, rotary, False
+    )
 
 
 @_attention_op.register_fake
-def _(q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean):
+def _(q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean, cos=None, sin=None):
     return q.new_empty(q.shape, dtype=OUT_DTYPE)
 
 
@@ -357,12 +394,17 @@ def _attention_lse_op(
     repair_ranking: str,
     v_absmax: torch.Tensor | None,
     k_mean: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run(q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean, True)
+    rotary = None if rotary_cos is None else (rotary_cos, rotary_sin)
+    return _run(
+        q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean, rotary, True
+    )
 
 
 @_attention_lse_op.register_fake
-def _(q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean):
+def _(q, k, v, softmax_scale, window, smooth_k, repair_ratio, repair_ranking, v_absmax, k_mean, cos=None, sin=None):
     batch, s_q, heads, _ = q.shape
     # The real lse's strides: a (B, S_q, H) view of a (B, H, S_q) buffer.
     lse = q.new_empty(batch, heads, s_q, dtype=torch.float32).transpose(1, 2)
@@ -386,6 +428,7 @@ def attention(
     return_lse: bool = False,
     v_absmax: torch.Tensor | None = None,
     k_mean: torch.Tensor | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Open-VC FP8 ExpCast attention on a Hopper GPU: ``(B, S, H, 128)`` fp16/bf16 in, bf16 out.
 
@@ -403,6 +446,12 @@ def attention(
     (custom op ``openvc::attention_lse``), and the shared V absmax and K mean of a ring of K/V shards (the fused
     preparation then skips its V absmax launch). Their values (finite, absmax >= 0) are checked except while a
     CUDA graph is captured.
+
+    ``rotary``: (cos, sin), the FP32 ``(1, S, 1, 128)`` tables of a rotary embedding to apply to q and k first
+    (self-attention: q and k of one shape), with diffusers' Wan roundings (``rotary.rotary_reference``); the
+    result is that of the call on ``rotary.rotate_qk(q, k, cos, sin)``, bit for bit. Where the rotated q and k
+    are needed nowhere else (``rotates_in_preparation``) the preparation rotates them as it quantizes them, and
+    they are never written.
     """
     check_flag("return_lse", return_lse)
     compiling = torch.compiler.is_compiling()
@@ -410,16 +459,18 @@ def attention(
         # Eager, every check runs here, before any work, on the caller's own values (before the casts below);
         # traced, the floats may be symbolic (dynamic=True), and the op checks them at run time (``_run``).
         _check_kernel_args(q, k, v, repair_ratio, window, repair_ranking, softmax_scale, smooth_k, v_absmax, k_mean)
+        check_rotary(q, k, rotary)
     tau = softmax_scale_or_default(softmax_scale, q.shape[-1])
     args = (q, k, v, float(tau), window, bool(smooth_k), float(repair_ratio), repair_ranking, v_absmax, k_mean)
     op = _attention_lse_op if return_lse else _attention_op
-    if compiling or not _nothing_sees_the_op(q, k, v, v_absmax, k_mean):
-        return op(*args)
+    cos, sin = (None, None) if rotary is None else rotary
+    if compiling or not _nothing_sees_the_op(q, k, v, v_absmax, k_mean, cos, sin):
+        return op(*args, cos, sin)
     # The op's body, checked once: the op's dispatch and its second check are host time on every call
     # (notes/kernel.md has the measurement). A profile still shows the op's name around its work.
     profiled = torch._C._autograd._profiler_enabled()
     with torch.profiler.record_function(op._qualname) if profiled else contextlib.nullcontext():
-        return _run_checked(*args, return_lse)
+        return _run_checked(*args, rotary, return_lse)
 
 
 def _nothing_sees_the_op(*tensors: torch.Tensor | None) -> bool:

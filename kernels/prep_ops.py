@@ -18,11 +18,13 @@ from .compile_cache import load_or_compile
 from .preparation import REPAIR_ROOM_ALIGN, Prepared, PrepareOptions, repair_room
 from .quant import BLOCK, code_span_numerator, mean_tokens, num_blocks, softmax_scale_or_default
 from .repair import repair_count, repair_score
+from .rotary import TABLE_ALIGN, kernel_table
 from .sm90.guards import DescaleGuards
 from .sm90.layout import HEAD_DIM, PV_N
 from .sm90.prep import (
     AbsmaxAndChannelSums, AbsmaxPerHead, ChannelMean, ChannelSumsPerBlock, PackV, QuantizePerBlock, RepairRows
 )
+from .sm90.rotary_quant import AbsmaxAndRotatedChannelSums, RotaryQuantizeQK
 from .sm90.select import RESIDENT_MAX_TOKENS, SelectRepairTokens
 from .sm90.target import COMPILE_OPTIONS, row_major_fake
 
@@ -33,14 +35,17 @@ TORCH_TO_CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Flo
 PREP_KINDS = (
     "channel_sums_per_block", "channel_mean", "quantize_q", "quantize_per_block", "quantize_centered_per_block",
     "absmax_per_head", "absmax_and_channel_sums", "pack_v", "pack_v_energy", "select_repair_tokens",
-    "select_repair_tokens_resident", "repair_rows", "descale_guards",
+    "select_repair_tokens_resident", "repair_rows", "descale_guards", "absmax_and_rotated_channel_sums",
+    "rotary_quantize_qk", "rotary_quantize_qk_centered",
 )
 """The compiled kernels: K's channel mean in two passes (smooth_k), quantize Q (starting beside the launch before
 it: ``sm90.dependent_launch``), quantize K, K minus its channel mean,
 V's absmax (alone, or with the mean's first pass over K), packed V without and with the residual energies, for V
 residual repair the choice of its tokens (reading the score row from global memory in every pass, or, for
 S <= ``RESIDENT_MAX_TOKENS``, once into shared memory: ``select_kind``) and their repair keys, and the descale
-guards (``sm90.guards``)."""
+guards (``sm90.guards``); where the preparation applies the rotary embedding (``prepare(rotary=...)``), V's absmax
+with the first pass of the rotated keys' mean, and Q and K rotated and quantized in one launch (K minus its
+channel mean, or not; ``sm90.rotary_quant``)."""
 DTYPE_FREE_KINDS = ("channel_mean", "select_repair_tokens", "select_repair_tokens_resident", "descale_guards")
 """Kernels that never read the fp16/bf16 inputs (only FP32 sums, scores or descales): compiled once, for no input
 dtype (None)."""
@@ -63,6 +68,12 @@ def input_fake(dtype: type[cutlass.Numeric]):
     shape = (cute.sym_int(), cute.sym_int(), cute.sym_int(), HEAD_DIM)
     stride = (*(cute.sym_int64(divisibility=INPUT_ALIGN // (dtype.width // 8)) for _ in range(3)), 1)
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=INPUT_ALIGN)
+
+
+def table_fake():
+    """A rotary table (S, 128) fp32: rows 16-byte aligned (``rotary.kernel_table``), contiguous within."""
+    shape, stride = (cute.sym_int(), HEAD_DIM), (cute.sym_int64(divisibility=TABLE_ALIGN // 4), 1)
+    return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=TABLE_ALIGN)
 
 
 def _rows_fake(shape: tuple):
@@ -116,7 +127,18 @@ def compile_prep(kind: str, dtype: torch.dtype | None = None):
         args = (AbsmaxPerHead(), x, per_head)
     elif kind == "absmax_and_channel_sums":
         sums = row_major_fake(Float32, (b, h, cute.sym_int(), HEAD_DIM), 16)
-        args = (AbsmaxAndChannelSums(), x, input_fake(TORCH_TO_CUTLASS[dtype]), per_head, sums)
+        args = (AbsmaxAndChannelSums(), x, input_fake(TORCH_TO_CUTLASS[dtype]), per_head, sums, None, None)
+    elif kind == "absmax_and_rotated_channel_sums":
+        sums = row_major_fake(Float32, (b, h, cute.sym_int(), HEAD_DIM), 16)
+        k = input_fake(TORCH_TO_CUTLASS[dtype])
+        args = (AbsmaxAndRotatedChannelSums(), x, k, per_head, sums, table_fake(), table_fake())
+    elif kind.startswith("rotary_quantize_qk"):
+        mean = row_major_fake(Float32, (b, h, HEAD_DIM), 16) if kind == "rotary_quantize_qk_centered" else None
+        n_blocks = cute.sym_int()
+        q8, k8 = (_rows_fake((b, h, s_pad, HEAD_DIM)) for _ in range(2))
+        d_q, d_k = (row_major_fake(Float32, (b, h, n_blocks), 4) for _ in range(2))
+        k = input_fake(TORCH_TO_CUTLASS[dtype])
+        args = (RotaryQuantizeQK(), x, k, table_fake(), table_fake(), q8, d_q, k8, d_k, mean, Int32(1))
     elif kind == "repair_rows":
         s_all, n_k = cute.sym_int(divisibility=REPAIR_ROOM_ALIGN), cute.sym_int()
         repair_keys = cute.sym_int(divisibility=REPAIR_ROOM_ALIGN)
@@ -248,11 +270,14 @@ class PrepKernels(NamedTuple):
     guards: Callable
 
 
-def _launch_absmax(kernels: PrepKernels, v, k_for_sums, v_absmax) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch_absmax(
+    kernels: PrepKernels, v, k_for_sums, v_absmax, tables: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """V's absmax (B, H), unless ``v_absmax`` is given, from ``load_kernels``' ``kernels`` on ``kernel_ready`` v:
     ``(amax_v, sums)``. With ``k_for_sums`` (``kernel_ready`` k, whose channel mean is still to be reduced) and V's
-    absmax to take, K's block sums come from the same launch (``sm90.prep.AbsmaxAndChannelSums``); else ``sums`` is
-    None (``smoothing_mean`` then reduces k itself)."""
+    absmax to take, K's block sums come from the same launch (``sm90.prep.AbsmaxAndChannelSums``; of the keys
+    rotated by the (S, 128) ``tables``, cos and sin, where given); else ``sums`` is None (``smoothing_mean`` then
+    reduces k itself)."""
     if v_absmax is not None:
         return v_absmax.contiguous(), None
     amax_v = torch.zeros(v.shape[0], v.shape[2], dtype=torch.float32, device=v.device)
@@ -260,7 +285,10 @@ def _launch_absmax(kernels: PrepKernels, v, k_for_sums, v_absmax) -> tuple[torch
         kernels.absmax_v(v, amax_v)
         return amax_v, None
     sums = _empty_block_sums(k_for_sums)
-    load_prep("absmax_and_channel_sums", v.dtype)(v, k_for_sums, amax_v, sums)
+    if tables is None:
+        load_prep("absmax_and_channel_sums", v.dtype)(v, k_for_sums, amax_v, sums, None, None)
+    else:
+        load_prep("absmax_and_rotated_channel_sums", v.dtype)(v, k_for_sums, amax_v, sums, *tables)
     return amax_v, sums
 
 
@@ -275,6 +303,12 @@ def _launch_k(kernels: PrepKernels, k, out: Prepared, mean_k, softmax_scale) -> 
     too: after Q's quantization and ``_launch_pack``."""
     s_pad = num_blocks(out.seqlen_k) * BLOCK
     kernels.quantize_k(k, out.k8[:, :, :s_pad], out.d_k, mean_k)
+    _launch_guards(kernels, out, softmax_scale)
+
+
+def _launch_guards(kernels: PrepKernels, out: Prepared, softmax_scale) -> None:
+    """The descale guards in place on ``out``'s Q and V descales, which read every descale: after Q's, K's and V's
+    quantization."""
     numerator = code_span_numerator(softmax_scale_or_default(softmax_scale, HEAD_DIM), HEAD_DIM)
     kernels.guards(out.d_q, out.d_k, out.d_v, numerator)
 
@@ -291,6 +325,20 @@ def load_kernels(dtype: torch.dtype, *, smooth_k: bool, energy: bool) -> PrepKer
     )
 
 
+def rotary_quantize_kind(smooth_k: bool) -> str:
+    """The launch that rotates and quantizes Q and K (``sm90.rotary_quant.RotaryQuantizeQK``), K centered or not."""
+    return "rotary_quantize_qk_centered" if smooth_k else "rotary_quantize_qk"
+
+
+@functools.cache
+def head_groups(batch: int, seq_len: int, heads: int, device: torch.device) -> int:
+    """G, the CTAs that share one block's heads in ``RotaryQuantizeQK`` (each walks ``heads / G`` of them and reads
+    the block's angles): the fewest that give every SM a CTA. Each further group reads the angles once more, and
+    a launch bound by memory needs every SM reading, not full waves."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return min(heads, -(-sms // (batch * num_blocks(seq_len))))
+
+
 def prepare(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -299,6 +347,7 @@ def prepare(
     *,
     v_absmax: torch.Tensor | None = None,
     k_mean: torch.Tensor | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Prepared:
     """Quantize ``(B, S, H, 128)`` fp16/bf16 CUDA tensors q, k, v for the sm90 kernel, on the current stream.
 
@@ -311,15 +360,30 @@ def prepare(
     (``sm90.prep.RepairRows``). The choice takes one SM per head; Q's quantization, launched next, starts beside it
     on the others (``sm90.dependent_launch``).
     Arguments are checked by the caller (``validation``, ``support``): same device, dtype, batch and heads.
+
+    ``rotary``: the (1, S, 1, 128) FP32 tables, cos and sin, of a rotary embedding that q and k have not had yet
+    (``rotary.rotate_qk``'s): the bytes of ``prepare`` on ``rotate_qk(q, k, *rotary)``, without the rotated q and
+    k ever written. K's mean (with K smoothing) is then reduced before packed V, and one launch rotates and
+    quantizes Q and K (``sm90.rotary_quant``) where Q's quantization starts otherwise. Nothing else may need the
+    rotated q and k: the "energy" ranking, no ``v_absmax`` nor ``k_mean`` (else ``ValueError``); the caller checks
+    the tables (``rotary.tables_reason``).
     """
+    if rotary is not None and (options.repair_ranking == "attention" or v_absmax is not None or k_mean is not None):
+        raise ValueError(
+            "prepare(rotary=...) rotates q and k only as it quantizes them, but the \"attention\" ranking, v_absmax "
+            "and k_mean need them rotated: rotate first (rotary.rotate_qk)"
+        )
     batch, seq_q, heads, _ = q.shape
     seq_k = k.shape[1]
     count = repair_count(seq_k, options.repair_ratio)
     kernels = load_kernels(q.dtype, smooth_k=options.smooth_k, energy=count > 0)
     ready_q, ready_k, ready_v = kernel_ready(q), kernel_ready(k), kernel_ready(v)
+    tables = None if rotary is None else (kernel_table(rotary[0]), kernel_table(rotary[1]))
     k_for_sums = ready_k if options.smooth_k and k_mean is None else None
     # V's absmax first: the GPU reads V (and K) while the host makes the buffers.
-    amax_v, k_sums = _launch_absmax(kernels, ready_v, k_for_sums, v_absmax)
+    amax_v, k_sums = _launch_absmax(kernels, ready_v, k_for_sums, v_absmax, tables)
+    # Rotated, Q and K are quantized beside the launch before them: K's mean must be there before that one.
+    mean_k = smoothing_mean(ready_k, k_mean, k_sums) if options.smooth_k and tables is not None else None
     out = empty_prepared(batch, seq_q, seq_k, heads, q.device, repair_keys=repair_room(count))
     energy = torch.empty(batch, heads, seq_k, dtype=torch.float32, device=q.device) if count else None
     _launch_pack(kernels, ready_v, amax_v, out, energy)
@@ -330,9 +394,17 @@ def prepare(
         tokens = torch.empty(batch, heads, count, dtype=torch.int64, device=q.device)
         load_prep(select_kind(score.shape[-1]))(score, tokens)
     # Beside the choice, on the SMs it leaves idle (or beside packed V's last CTAs).
-    kernels.quantize_q(ready_q, out.q8, out.d_q, None)
-    mean_k = smoothing_mean(ready_k, k_mean, k_sums) if options.smooth_k else None
-    _launch_k(kernels, ready_k, out, mean_k, options.softmax_scale)
+    if tables is None:
+        kernels.quantize_q(ready_q, out.q8, out.d_q, None)
+        mean_k = smoothing_mean(ready_k, k_mean, k_sums) if options.smooth_k else None
+        _launch_k(kernels, ready_k, out, mean_k, options.softmax_scale)
+    else:
+        s_pad = num_blocks(seq_k) * BLOCK
+        load_prep(rotary_quantize_kind(options.smooth_k), q.dtype)(
+            ready_q, ready_k, *tables, out.q8, out.d_q, out.k8[:, :, :s_pad], out.d_k, mean_k,
+            head_groups(batch, seq_k, heads, q.device),
+        )
+        _launch_guards(kernels, out, options.softmax_scale)
     if count:
         repair_rows = load_prep("repair_rows", v.dtype)
         repair_rows(

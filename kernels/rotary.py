@@ -38,7 +38,7 @@ def rotate_qk(
 
     q, k = kernel_ready(q), kernel_ready(k)
     q_out, k_out = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(2))
-    load_rotary(q.dtype)(q, k, _table_ready(cos), _table_ready(sin), q_out, k_out)
+    load_rotary(q.dtype)(q, k, kernel_table(cos), kernel_table(sin), q_out, k_out)
     return q_out, k_out
 
 
@@ -48,8 +48,12 @@ def kernel_rotary_reason(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     if q.dim() != 4:
         return f"q has {q.dim()} dims, not (B, S, H, D)"
     reason = kernel_unavailable_reason(q.device, q.dtype, q.shape[-1])
-    if reason is not None:
-        return reason
+    return reason if reason is not None else tables_reason(q, k, cos, sin)
+
+
+def tables_reason(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    """None where ``cos`` and ``sin`` are tables the launch applies to (B, S, H, D) q and k: k of q's shape, dtype
+    and device, the tables (1, S, 1, 128) FP32 on q's device; else why not."""
     if k.shape != q.shape or k.dtype != q.dtype or k.device != q.device:
         return f"k is {tuple(k.shape)} {k.dtype} on {k.device}, q {tuple(q.shape)} {q.dtype} on {q.device}"
     table = (1, q.shape[1], 1, HEAD_DIM)
@@ -59,7 +63,7 @@ def kernel_rotary_reason(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     return None
 
 
-def _table_ready(table: torch.Tensor) -> torch.Tensor:
+def kernel_table(table: torch.Tensor) -> torch.Tensor:
     """A (1, S, 1, 128) table as the kernel's (S, 128): a view where its rows are contiguous and 16-byte aligned,
     else a copy."""
     rows = table[0, :, 0]
@@ -75,16 +79,13 @@ def load_rotary(dtype: torch.dtype):
 def compile_rotary(dtype: torch.dtype):
     """Compile ``RotaryQK`` for fp16 or bf16 Q and K, for sm_90a; no GPU needed."""
     import cutlass.cute as cute
-    from cutlass import Float32
 
-    from .prep_ops import TORCH_TO_CUTLASS, input_fake
+    from .prep_ops import TORCH_TO_CUTLASS, input_fake, table_fake
     from .sm90.rotary import RotaryQK
     from .sm90.target import COMPILE_OPTIONS
 
-    def table():
-        shape, stride = (cute.sym_int(), HEAD_DIM), (cute.sym_int64(divisibility=TABLE_ALIGN // 4), 1)
-        return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=TABLE_ALIGN)
-
     x = [input_fake(TORCH_TO_CUTLASS[dtype]) for _ in range(4)]
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(RotaryQK(), x[0], x[1], table(), table(), x[2], x[3], stream, options=COMPILE_OPTIONS)
+    return cute.compile(
+        RotaryQK(), x[0], x[1], table_fake(), table_fake(), x[2], x[3], stream, options=COMPILE_OPTIONS
+    )

@@ -31,7 +31,8 @@ DEFAULTS = {"smooth_k": True, "repair_ratio": 0.005}
 PREP_KINDS = (
     "absmax_per_head", "absmax_and_channel_sums", "pack_v", "pack_v_energy", "channel_mean", "quantize_q",
     "quantize_per_block", "quantize_centered_per_block", "descale_guards", "select_repair_tokens_resident",
-    "select_repair_tokens", "repair_rows",
+    "select_repair_tokens", "repair_rows", "absmax_and_rotated_channel_sums", "rotary_quantize_qk",
+    "rotary_quantize_qk_centered",
 )
 
 

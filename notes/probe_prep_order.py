@@ -146,7 +146,8 @@ def compare_pack_ways(v, k, compile_before) -> None:
     for label, absmax, kind in (
         ("API: absmax, pack_v", lambda: prep_ops.load_prep("absmax_per_head", DTYPE)(v, amax), "pack_v"),
         ("defaults: absmax + sums, pack_v_energy",
-         lambda: prep_ops.load_prep("absmax_and_channel_sums", DTYPE)(v, k, amax, sums), "pack_v_energy"),
+         lambda: prep_ops.load_prep("absmax_and_channel_sums", DTYPE)(v, k, amax, sums, None, None),
+         "pack_v_energy"),
     ):
         outputs, calls = [], []
         for pack in (prep_ops.load_prep(kind, DTYPE), compile_before(kind)):

@@ -28,7 +28,8 @@ PREP = "import torch; from openvc_kernels.prep_ops import compile_prep; compile_
 PREP_KINDS = (
     "channel_sums_per_block", "channel_mean", "quantize_q", "quantize_per_block", "quantize_centered_per_block",
     "absmax_per_head", "absmax_and_channel_sums", "pack_v", "pack_v_energy", "select_repair_tokens",
-    "select_repair_tokens_resident", "repair_rows", "descale_guards",
+    "select_repair_tokens_resident", "repair_rows", "descale_guards", "absmax_and_rotated_channel_sums",
+    "rotary_quantize_qk", "rotary_quantize_qk_centered",
 )
 DTYPE_FREE_KINDS = ("channel_mean", "select_repair_tokens", "select_repair_tokens_resident", "descale_guards")
 """``prep_ops.PREP_KINDS`` and ``prep_ops.DTYPE_FREE_KINDS`` (compiled once, for no input dtype), copied: this script

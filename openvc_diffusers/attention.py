@@ -5,6 +5,7 @@ import logging
 import torch
 
 import openvc_kernels
+from openvc_kernels.rotary import rotate_qk, tables_reason
 
 from .backends import kernel_options, run_fa4, run_reference, run_sdpa
 from .config import FA4, OpenVCConfig, load_config
@@ -37,8 +38,8 @@ def warn_reasons(decision: Decision) -> None:
 
 def run_openvc(decision: Decision, config: OpenVCConfig, q, k, v, **shard_options):
     """An Open-VC call (the kernel, or its reference off the GPU) with the config's options; ``shard_options`` are
-    the kernel API's keywords for one K/V shard of a ring (``return_lse``, ``v_absmax``, ``k_mean``). Returns what
-    the kernel API returns: BF16 ``out``, or ``(out, lse)``."""
+    the kernel API's keywords: for one K/V shard of a ring (``return_lse``, ``v_absmax``, ``k_mean``), or the
+    kernel's ``rotary``. Returns what the kernel API returns: BF16 ``out``, or ``(out, lse)``."""
     warn_reasons(decision)
     if decision.backend == OPENVC_KERNEL:
         return openvc_kernels.attention(q, k, v, **kernel_options(config), **shard_options)
@@ -54,10 +55,17 @@ def run(
     v: torch.Tensor,
     attn_mask: torch.Tensor | None = None,
     attention_backend=None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Run a decided call on (B, S, H, D) inputs; output in q's dtype and layout."""
+    """Run a decided call on (B, S, H, D) inputs; output in q's dtype and layout. ``rotary``: the (cos, sin) tables
+    of a rotary embedding q and k still need (``rotate_qk``'s), which the Open-VC kernel applies in its preparation
+    and every other backend first."""
+    if rotary is not None and (decision.backend != OPENVC_KERNEL or tables_reason(q, k, *rotary) is not None):
+        q, k = rotate_qk(q, k, *rotary)
+        rotary = None
     if decision.backend in OPENVC_BACKENDS:
-        return run_openvc(decision, config, q, k, v).to(q.dtype)
+        options = {} if rotary is None else {"rotary": rotary}
+        return run_openvc(decision, config, q, k, v, **options).to(q.dtype)
     warn_reasons(decision)
     if decision.backend == FA4:
         return run_fa4(q, k, v)

@@ -149,10 +149,11 @@ def openvc_attention(
     _parallel_config=None,
 ) -> torch.Tensor:
     """The registered backend: ``(B, S, H, D)`` in and out, as diffusers' backends take them."""
-    if IN_FLIGHT.rotary is not None:
-        query, key = rotate_qk(query, key, *IN_FLIGHT.rotary)
+    rotary = IN_FLIGHT.rotary
     route = IN_FLIGHT.route or _registered
     if dropout_p or is_causal or enable_gqa or not is_default_scale(scale, query.shape[-1]):
+        if rotary is not None:
+            query, key = rotate_qk(query, key, *rotary)
         warn_once(
             f"Open-VC fallback to native: dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa}, "
             f"scale={scale}; Open-VC takes dropout_p=0, is_causal=False, enable_gqa=False and scale "
@@ -175,10 +176,13 @@ def openvc_attention(
                 'Open-VC: bf16_layers needs layer numbers, which the "openvc" backend alone does not have: '
                 "openvc_diffusers.apply(pipe, config) numbers them (and routes through this backend)"
             )
-        return attend(_registered, query, key, value, attn_mask=attn_mask, parallel_config=_parallel_config)
+        return attend(
+            _registered, query, key, value, attn_mask=attn_mask, parallel_config=_parallel_config, rotary=rotary
+        )
     # An Open-VC processor's call: through its _attend, which subclasses extend (examples/ time and capture there).
     out = route.owner._attend(
-        route.attn, query, key, value, is_cross=route.is_cross, attn_mask=attn_mask, parallel_config=_parallel_config
+        route.attn, query, key, value, is_cross=route.is_cross, attn_mask=attn_mask, parallel_config=_parallel_config,
+        rotary=rotary,
     )
     return out.unflatten(2, (query.shape[2], -1))
 
@@ -222,8 +226,13 @@ def attend(
     parallel_config=None,
     valid_len: int | None = None,
     pad_queries: bool = False,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention on ``(B, S, H, D)`` through the backend the policy picks, in q's dtype and layout.
+
+    ``rotary``: (cos, sin), a rotary embedding that q and k still need (``rotate_qk``'s tables): applied inside
+    the Open-VC kernel's preparation where the call takes the kernel on the whole sequence (``attention.run``),
+    else first.
 
     ``valid_len``: ``attn_mask`` hides exactly the keys from this index on, in every batch row, so a backend that
     takes no mask runs on K/V trimmed to it; SDPA still gets the mask, which keeps its output identical to diffusers'.
@@ -236,6 +245,10 @@ def attend(
     mask: it passes the config), each rank gathers every rank's part of it (``gather_context``).
     """
     is_cross = _is_cross(route, q, k)
+    if rotary is not None and (parallel_config is not None or valid_len is not None or is_cross):
+        # Exchanged, trimmed or cross-attention: the kernel would not see the whole sequence the tables are of.
+        q, k = rotate_qk(q, k, *rotary)
+        rotary = None
     if not is_cross:
         check_sharding(route.config, parallel_config)
     if parallel_config is not None and not is_cross:
@@ -254,7 +267,9 @@ def attend(
     if trim and decision.backend != SDPA:
         out = run(decision, route.config, q_seen, k[:, :valid_len], v[:, :valid_len])
         return F.pad(out, (0, 0, 0, 0, 0, q.shape[1] - q_seen.shape[1]))
-    return run(decision, route.config, q, k, v, attn_mask=attn_mask, attention_backend=route.fallback)
+    return run(
+        decision, route.config, q, k, v, attn_mask=attn_mask, attention_backend=route.fallback, rotary=rotary
+    )
 
 
 def gather_context(k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, parallel_config):

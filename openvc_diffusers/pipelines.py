@@ -173,7 +173,8 @@ def install(target, mixin: type, config=None, **kwargs) -> OpenVCProcessorBase:
     """``openvc_diffusers.apply(target, config)`` with ``mixin`` put in front of the family processor it picks.
 
     Every family's processor hands each attention call to ``_attend``, so a mixin that overrides it (calling
-    ``super()._attend``) sees every call of any supported model, as ``(B, S, H, D)`` q, k, v. The mixed processor,
+    ``super()._attend``) sees every call of any supported model, as ``(B, S, H, D)`` q, k, v (in eager inference
+    Wan's q and k before the rotary embedding, whose tables come in the ``rotary`` option). The mixed processor,
     built as ``(mixin, family)(config, **kwargs)``, takes the place of apply's on the same modules, with its step
     tracker.
     """

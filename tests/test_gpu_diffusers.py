@@ -196,3 +196,26 @@ def test_an_eager_forward_makes_no_synchronizing_call():
             torch.cuda.set_sync_debug_mode("default")
     assert processor.step == len(TIMESTEPS) - 1
     assert processor.calls == {key: n * len(TIMESTEPS) for key, n in CALLS_PER_FORWARD.items()}, processor.calls
+
+
+def test_the_rotation_inside_the_preparation_gives_the_forward_of_rotating_first(monkeypatch):
+    """In eager inference the Wan processor's rotary tables reach the kernel's preparation, which rotates Q and K as
+    it quantizes them (``prep_ops.prepare(rotary=...)``, in every self-attention call): the forward's bits are those
+    of rotating them first (``rotate_qk``), as the call does where the rotated Q and K are needed elsewhere."""
+    from openvc_kernels import ops, prep_ops
+
+    model, _ = small_wan()
+    inputs = step_inputs(0, TIMESTEPS[0])
+    prepare, rotary_given = prep_ops.prepare, []
+
+    def recording_prepare(*args, **kwargs):
+        rotary_given.append(kwargs.get("rotary") is not None)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(prep_ops, "prepare", recording_prepare)
+    with torch.no_grad():
+        inside = velocity(model, inputs["latents"], inputs["timestep"], inputs["text"])
+        monkeypatch.setattr(ops, "rotates_in_preparation", lambda *args: False)
+        first = velocity(model, inputs["latents"], inputs["timestep"], inputs["text"])
+    assert rotary_given == [True] * LAYERS + [False] * LAYERS
+    assert_identical(inside, first, "rotated inside the preparation against rotated first")

@@ -4,6 +4,7 @@ compiles for sm_90a with the reference's roundings (CPU), and on a Hopper GPU wr
 HunyuanVideo's tables, where it stands in for diffusers' ``apply_rotary_emb`` (``processors/hunyuan.py``)."""
 
 import collections
+import importlib
 import json
 import os
 import re
@@ -18,10 +19,14 @@ from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
 import openvc_diffusers
 from openvc_diffusers import backend
+from openvc_diffusers.policy import FA4, OPENVC_KERNEL, SDPA, Decision
 from openvc_diffusers.processors import hunyuan, wan
 from openvc_diffusers.tiny import cast_like_from_pretrained, tiny_wan_inputs, tiny_wan_transformer
 from openvc_kernels import rotary
 from openvc_kernels.rotary import kernel_rotary_reason, rotary_reference, rotate_qk
+
+attention = importlib.import_module("openvc_diffusers.attention")
+"""The module (the package's ``attention`` is its function)."""
 
 needs_hopper = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs a Hopper GPU"
@@ -43,14 +48,15 @@ def _tables(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_processor_output_is_the_same_with_the_backend_rotating(fresh_seed, one_thread, monkeypatch, dtype):
     """The tiny Wan's forward, in inference: the backend rotating Q and K gives diffusers' output bit for bit, and
-    it does rotate them (once per self-attention call)."""
+    it does rotate them (once per self-attention call; here, off Hopper, in ``attention.run`` before the
+    reference)."""
     model = cast_like_from_pretrained(tiny_wan_transformer(seed=fresh_seed), dtype)
     openvc_diffusers.apply(model, {"min_tokens": 0})
     inputs = tiny_wan_inputs()
     for name in ("hidden_states", "encoder_hidden_states"):
         inputs[name] = torch.randn_like(inputs[name]).to(dtype)
     rotated = []
-    monkeypatch.setattr(backend, "rotate_qk", lambda *args: rotated.append(args[0].shape) or rotate_qk(*args))
+    monkeypatch.setattr(attention, "rotate_qk", lambda *args: rotated.append(args[0].shape) or rotate_qk(*args))
     with torch.no_grad():
         ours = model(**inputs)[0]
         assert len(rotated) == len(model.blocks)
@@ -201,3 +207,165 @@ def test_hunyuan_video_rope_rotates_in_one_launch(fresh_seed, layout):
         ours = hunyuan.rotate_video_tokens(q, k, (cos, sin))
     for got, x in zip(ours, (q, k)):
         assert torch.equal(got, apply_rotary_emb(x, (cos, sin), sequence_dim=1))
+
+
+def test_the_kernel_route_takes_the_tables_and_every_other_backend_rotates_first(monkeypatch):
+    """``attention.run``: a call the policy sends to the kernel passes q and k unrotated with the tables (the
+    preparation rotates them); FA4 and SDPA get q and k rotated first, the reference's bits."""
+    q, k, v = (torch.randn(1, 16, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+    tables = _tables(_angles(16))
+    config = openvc_diffusers.load_config(None)
+    seen = {}
+
+    def record(name):
+        def run(q, k, v, *args, **kwargs):
+            seen[name] = (q, k, kwargs)
+            return torch.zeros_like(q)
+
+        return run
+
+    monkeypatch.setattr(attention.openvc_kernels, "attention", record("kernel"))
+    monkeypatch.setattr(attention, "run_fa4", record(FA4))
+    monkeypatch.setattr(attention, "run_sdpa", record(SDPA))
+    attention.run(Decision(OPENVC_KERNEL), config, q, k, v, rotary=tables)
+    got_q, got_k, kwargs = seen["kernel"]
+    assert got_q is q and got_k is k and kwargs["rotary"] is tables
+    for name in (FA4, SDPA):
+        attention.run(Decision(name), config, q, k, v, rotary=tables)
+        got_q, got_k, kwargs = seen[name]
+        assert torch.equal(got_q, rotary_reference(q, *tables)) and torch.equal(got_k, rotary_reference(k, *tables))
+        assert "rotary" not in kwargs
+
+
+@pytest.mark.parametrize("where", ["trimmed to valid keys", "cross-attention"])
+def test_calls_the_kernel_sees_only_in_part_are_rotated_before_the_policy(monkeypatch, where):
+    """``backend.attend`` rotates first where the kernel would not get the whole sequence the tables are of (keys
+    trimmed to a valid prefix, a context-parallel exchange) or the call is cross-attention: ``run`` then gets no
+    tables."""
+    q, k, v = (torch.randn(1, 16, 2, 128) for _ in range(3))
+    tables = _tables(_angles(16))
+    runs = []
+    monkeypatch.setattr(backend, "run", lambda decision, config, q, k, v, **kwargs: runs.append((q, k, kwargs)) or q)
+    route = backend.Route(own_config=openvc_diffusers.load_config({"min_tokens": 0}))
+    options = {"valid_len": 16} if where == "trimmed to valid keys" else {}
+    route.is_cross = where == "cross-attention"
+    backend.attend(route, q, k, v, rotary=tables, **options)
+    got_q, got_k, kwargs = runs[0]
+    assert torch.equal(got_q, rotary_reference(q, *tables)) and torch.equal(got_k, rotary_reference(k, *tables))
+    assert kwargs.get("rotary") is None
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("groups", [1, 2, 5])
+@pytest.mark.parametrize("centered", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("batch,seq_len,heads", [(1, 32760, 12), (2, 1000, 3), (1, 127, 1)])
+def test_rotation_inside_the_quantization_writes_the_bits_of_rotating_first(
+    fresh_seed, batch, seq_len, heads, dtype, centered, groups
+):
+    """``RotaryQuantizeQK`` into poisoned buffers: every byte of Q's and K's FP8 blocks (padding included) and every
+    descale as the reference quantizes ``rotary_reference``'s Q and K (K minus a given channel mean where
+    centered), whatever the CTAs that share a block's heads (G = 5 leaves some with fewer, or none); q and k views
+    with strides of their own, the tables a view into a longer sequence's."""
+    from openvc_kernels import prep_ops
+    from openvc_kernels.preparation import PrepareOptions, prepare_reference
+
+    both = torch.randn(batch, seq_len, 2, heads, 128, device="cuda").to(dtype)
+    q, k = both[:, :, 0], both[:, :, 1]
+    v = torch.randn_like(q)
+    cos, sin = (t[:, 5 : 5 + seq_len] for t in _tables(_angles(seq_len + 9, device="cuda")))
+    mean = torch.randn(batch, heads, 128, device="cuda") if centered else None
+    ref = prepare_reference(
+        rotary_reference(q, cos, sin), rotary_reference(k, cos, sin), v, PrepareOptions(smooth_k=centered),
+        k_mean=mean,
+    )
+    q8, k8 = (torch.full_like(ref.q8, 0x7F) for _ in range(2))
+    d_q, d_k = (torch.full_like(ref.d_q, float("nan")) for _ in range(2))
+    launch = prep_ops.load_prep(prep_ops.rotary_quantize_kind(centered), dtype)
+    launch(q, k, rotary.kernel_table(cos), rotary.kernel_table(sin), q8, d_q, k8, d_k, mean, groups)
+    for name, got, want in (("q8", q8, ref.q8), ("d_q", d_q, ref.d_q), ("k8", k8, ref.k8), ("d_k", d_k, ref.d_k)):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (name, fresh_seed)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seq_len", [1, 129, 4100, 32_760])
+def test_rotated_keys_block_sums_are_those_of_the_rotated_keys(fresh_seed, dtype, seq_len):
+    """``AbsmaxAndRotatedChannelSums`` into poisoned sums: ``quant.channel_block_sums`` of ``rotary_reference``'s K
+    (every 8th key, the reference's summation order) bit for bit, and V's absmax."""
+    from openvc_kernels import prep_ops
+    from openvc_kernels.quant import channel_block_sums, num_blocks
+
+    batch, heads = 2, 3
+    offsets = 40 * torch.randn(heads, 128, device="cuda")  # channel offsets: the summation order shows
+    k = (torch.randn(batch, seq_len, heads, 128, device="cuda") + offsets).to(dtype)
+    v = torch.randn(batch, seq_len, heads, 128, device="cuda").to(dtype)
+    cos, sin = _tables(_angles(seq_len, device="cuda"))
+    sums = torch.full((batch, heads, num_blocks(seq_len), 128), float("nan"), device="cuda")
+    amax = torch.zeros(batch, heads, device="cuda")
+    launch = prep_ops.load_prep("absmax_and_rotated_channel_sums", dtype)
+    launch(v, k, amax, sums, rotary.kernel_table(cos), rotary.kernel_table(sin))
+    assert torch.equal(sums, channel_block_sums(rotary_reference(k, cos, sin))), fresh_seed
+    assert torch.equal(amax, v.float().abs().amax(dim=(1, 3)))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("options", ["API", "smooth_k", "defaults"])
+@pytest.mark.parametrize("batch,seq_len,heads", [(1, 32760, 12), (2, 1000, 3), (1, 75600, 2)])
+def test_prepare_rotating_inside_writes_the_bytes_of_rotating_first(
+    fresh_seed, monkeypatch, batch, seq_len, heads, options
+):
+    """``prep_ops.prepare(rotary=...)`` into poisoned buffers: every byte and descale of ``prepare`` on
+    ``rotate_qk``'s outputs, repair keys included (both choose them from the same energies)."""
+    from openvc_kernels import prep_ops
+    from openvc_kernels.preparation import PrepareOptions
+
+    options = {
+        "API": PrepareOptions(),
+        "smooth_k": PrepareOptions(smooth_k=True),
+        "defaults": PrepareOptions(smooth_k=True, repair_ratio=0.005),
+    }[options]
+    q, k, v = (torch.randn(batch, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    k += 3 * torch.randn(128, device="cuda", dtype=torch.bfloat16)  # channel offsets, what smoothing removes
+    tables = _tables(_angles(seq_len, device="cuda"))
+    empty = _PoisonedPrepared(prep_ops.empty_prepared)
+    monkeypatch.setattr(prep_ops, "empty_prepared", empty)
+    inside = prep_ops.prepare(q, k, v, options, rotary=tables)
+    first = prep_ops.prepare(*rotate_qk(q, k, *tables), v, options)
+    assert empty.calls == 2
+    for name, got, want in zip(inside._fields[:-1], inside[:-1], first[:-1]):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (name, fresh_seed)
+
+
+class _PoisonedPrepared:
+    """``prep_ops.empty_prepared`` whose buffers come filled with 0x7F bytes (E4M3 NaN; FP32 3.4e38), counted."""
+
+    def __init__(self, empty):
+        self.empty, self.calls = empty, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        out = self.empty(*args, **kwargs)
+        for t in out[:-1]:
+            t.view(torch.uint8).fill_(0x7F)
+        return out
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_attention_with_rotary_is_the_call_on_rotated_inputs(fresh_seed, return_lse):
+    """``openvc_kernels.attention(rotary=...)`` with the processor's defaults: the output (and lse) of the call on
+    ``rotate_qk``'s q and k, bit for bit, rotated inside the preparation or (for the lse) first."""
+    import openvc_kernels
+
+    q, k, v = (torch.randn(1, 32760, 12, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    tables = _tables(_angles(32760, device="cuda"))
+    options = dict(smooth_k=True, repair_ratio=0.005, return_lse=return_lse)
+    inside = openvc_kernels.attention(q, k, v, rotary=tables, **options)
+    first = openvc_kernels.attention(*rotate_qk(q, k, *tables), v, **options)
+    for got, want in zip(inside, first) if return_lse else [(inside, first)]:
+        assert torch.equal(got, want), fresh_seed

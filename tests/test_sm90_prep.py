@@ -1,6 +1,7 @@
 """The sm90 preparation kernels: compile for sm_90a on any machine (CPU part), and on a Hopper GPU give
 byte-identical results to the PyTorch quantization and packing (``quant``, ``layout.pack_v``, ``preparation``)."""
 
+import collections
 import itertools
 import json
 import math
@@ -8,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -34,6 +36,8 @@ VARIANTS = [(kind, str(dtype)) for kind in INPUT_KINDS for dtype in DTYPES] + [
 ]
 """(kind, input dtype): every compiled preparation kernel."""
 POISON = 0x7F
+STARTS_BESIDE = ("quantize_q", "rotary_quantize_qk", "rotary_quantize_qk_centered")
+"""The kernels that start beside the launch before them (``sm90.dependent_launch``)."""
 """E4M3 NaN: any output byte a kernel forgets to write shows up."""
 
 
@@ -177,6 +181,9 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
     assert count("ld.local") == 0 and count("st.local") == 0, "registers spilled"
     # No shfl.sync / bar.sync under a divergent branch: make_warp_uniform (warp_idx) inside `if lane == 0`
     # put a full-mask shfl.sync there, which deadlocks against bar.sync 0 (the H200 hang, notes/prep.md).
+    if kind.startswith("rotary_quantize_qk"):
+        _check_rotary_quantize_ptx(kind, compiled)
+        return
     assert compiled["divergent_sync"] == [], compiled["divergent_sync"]
     # Straight-line kernels: no loops, so a launch always terminates once every thread reaches bar.sync 0.
     assert compiled["backward_branches"] == [], compiled["backward_branches"]
@@ -191,12 +198,19 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
         assert {op for op in ops if op.startswith("st.global")} == {"st.global.b32"}
         assert ops.get("bar.sync") == 1
         return
-    if kind == "absmax_and_channel_sums":
+    if kind in ("absmax_and_channel_sums", "absmax_and_rotated_channel_sums"):
         # AbsmaxPerHead's and ChannelSumsPerBlock's steps in one launch: V's block and K's block read once each
-        # (16 16-byte loads a thread), the sums' adds and shuffles as above, V's max by one atomic.
-        assert ops.get("ld.global.v4.b32") == 16 and count("cvt.f32.") == 128
+        # (16 16-byte loads a thread), the sums' adds and shuffles as above, V's max by one atomic. Rotated, the
+        # keys are rotated as RotaryQK rotates them (4 products rounded alone, a subtraction and an addition per
+        # pair of 4 tokens x 8 pairs) and rounded to the input dtype before they are summed; the angles: cos of
+        # the even channels in 16-byte loads, sin of the odd ones in 4-byte loads.
+        rotated = kind == "absmax_and_rotated_channel_sums"
+        pairs = 4 * 8 * rotated
+        assert ops.get("ld.global.v4.b32") == 16 + 4 * pairs // 8 and ops.get("ld.global.b32", 0) == pairs
+        assert ops.get("mul.rn.f32", 0) == 4 * pairs and ops.get("sub.f32", 0) == pairs and count("fma") == 0
         channels = prep.CHANNELS_PER_THREAD
-        assert ops.get("add.f32") == channels * (3 + 2) + prep.WARPS - 1 and count("atom.global.max") == 1
+        assert ops.get("add.f32") == channels * (3 + 2) + prep.WARPS - 1 + pairs and count("atom.global.max") == 1
+        assert _roundings_to_16_bits(ops) == 2 * pairs
         assert ops.get("st.shared.v4.b32") == channels // 4 and ops.get("bar.sync") == 2
         assert {op for op in ops if op.startswith("st.global")} == {"st.global.b32"}
         return
@@ -234,16 +248,52 @@ def test_compiles_for_sm90a(ptx_ops, kind, dtype):
         assert ops.get("shfl.sync.bfly.b32") == 12 and ops.get("st.global.b32") == 4 + 1
 
 
+def _roundings_to_16_bits(ops: dict) -> int:
+    """Values rounded from FP32 to fp16 or bf16, one or two per conversion."""
+    single = sum(ops.get(f"cvt.rn.{dtype}.f32", 0) for dtype in ("f16", "bf16"))
+    return single + 2 * sum(ops.get(f"cvt.rn.{dtype}x2.f32", 0) for dtype in ("f16", "bf16"))
+
+
+def _check_rotary_quantize_ptx(kind: str, compiled: dict) -> None:
+    """``sm90.rotary_quant.RotaryQuantizeQK``: one loop over the CTA's heads (two barriers in it, Q's absmax and
+    K's, which every thread reaches: the trip count is the CTA's); per head Q's and K's blocks read with 16-byte
+    loads, both before Q's barrier, rotated as RotaryQK rotates them, rounded to the input dtype, quantized as
+    QuantizePerBlock quantizes them; the angles read from global memory once, before the loop, into shared
+    memory, and back from it for each tensor; nothing written but the FP8 blocks and their descales."""
+    ops = compiled["ops"]
+    count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))
+    centered = kind == "rotary_quantize_qk_centered"
+    pairs = 2 * 4 * 8  # Q and K, 4 tokens, 8 pairs
+    values = 2 * 64
+    # Synchronization only in the loop, whose trip count is the CTA's (the branch around it, taken where the CTA
+    # has no head, is the only conditional region the syncs are in): per head two absmaxes, each a warp butterfly
+    # and a barrier (and the warp's index, a full-warp shuffle, unless hoisted out of the loop).
+    assert len(compiled["loops"]) == 1 and compiled["divergent_sync"] == compiled["sync_in_loop"]
+    syncs = collections.Counter(line.split()[0] for line in compiled["sync_in_loop"])
+    assert syncs["bar.sync"] == 2 and syncs["shfl.sync.bfly.b32"] == 2 * 5, syncs
+    assert set(syncs) == {"bar.sync", "shfl.sync.bfly.b32", "shfl.sync.idx.b32"}, syncs
+    loop = compiled["loops"][0]
+    assert ops.get("ld.global.v4.b32") == 16 + 2 * 8 + 4 * centered and ops.get("ld.global.b32") == 32
+    assert loop.get("ld.global.v4.b32") == 2 * 8 + 4 * centered and loop.get("ld.global.b32", 0) == 0
+    assert ops.get("st.shared.b32") == 64 + 2 and ops.get("ld.shared.b32") == 2 * 64
+    assert ops.get("mul.rn.f32") == 4 * pairs and count("fma") == 0 and ops.get("add.f32") == pairs
+    assert ops.get("sub.f32") == pairs + 64 * centered  # K smoothing: 64 values minus their channel's mean
+    assert _roundings_to_16_bits(ops) == values
+    assert count("div.rn.f32") == 4 and count("rcp") == 0 and count("div.approx") == 0 and count("div.full") == 0
+    assert ops.get("cvt.rn.satfinite.e4m3x2.f32") == values // 2
+    assert ops.get("st.global.v4.b32") == 2 * 4 and ops.get("st.global.b32") == 2 and count("st.global") == 10
+
+
 @pytest.mark.parametrize("kind,dtype", VARIANTS)
 def test_a_launch_waits_for_the_one_before_it_to_touch_memory(ptx_ops, kind, dtype):
     """``sm90.dependent_launch``: every kernel of a call's chain waits for the launch before it ahead of its first
     global load or store, then lets the next start (so that a kernel that starts beside it, Q's quantization, starts
-    once everything before it has completed); but Q's quantization, which lets the next start before it touches
-    memory and waits (in its last CTA) after its last global access."""
+    once everything before it has completed); but Q's quantization (alone, or with K's and the rotation), which
+    lets the next start before it touches memory and waits (in its last CTA) after its last global access."""
     compiled = ptx_ops[f"{kind}/{dtype}"]
     assert compiled["waits"] and compiled["lets_next_start"]
     assert compiled["global_before_letting_next_start"] == []
-    if kind == "quantize_q":
+    if kind in STARTS_BESIDE:
         assert compiled["global_before_wait"] != [] and compiled["global_after_wait"] == []
         assert not compiled["waits_before_letting_next_start"]
     else:
@@ -387,21 +437,29 @@ PREPARE_CALLS = {
     "into": dict(into=True),
     "into, smooth_k and energies": dict(into=True, smooth_k=True, energy=True),
     "into, smooth_k, both given": dict(into=True, smooth_k=True, given=True),
+    "rotary": dict(options=PrepareOptions(), rotary=True),
+    "rotary, smooth_k": dict(options=PrepareOptions(smooth_k=True), rotary=True),
+    "rotary, defaults": dict(options=PrepareOptions(smooth_k=True, repair_ratio=0.005), rotary=True),
 }
 
 
 @pytest.mark.parametrize("case", PREPARE_CALLS)
 def test_q_quantization_starts_beside_a_chained_launch_into_buffers_made_before_it(monkeypatch, case):
-    """``quantize_q`` does not wait for the launch before it (``sm90.dependent_launch``), so ``prepare`` and
-    ``prepare_into`` must launch it right after one of the preparation's kernels (which waited for everything before
-    it: never after a torch op, nor first), and into buffers allocated before that launch (none the kernel before it
-    may still be using). Kernels replaced by recorders, on CPU tensors: the order the calls send to the stream."""
+    """``quantize_q`` (with a rotary embedding: ``rotary_quantize_qk``, Q's and K's quantization) does not wait for
+    the launch before it (``sm90.dependent_launch``), so ``prepare`` and ``prepare_into`` must launch it right after
+    one of the preparation's kernels (which waited for everything before it: never after a torch op, nor first),
+    and into buffers allocated before that launch (none the kernel before it may still be using); K's mean, which
+    the rotated launch reads, comes from a launch before that one. Kernels replaced by recorders, on CPU tensors:
+    the order the calls send to the stream."""
     spec = PREPARE_CALLS[case]
     batch, seq_len, heads = 2, 300, 3
     q, k, v = (torch.randn(batch, seq_len, heads, 128, dtype=torch.bfloat16) for _ in range(3))
-    given = {}
+    given, rotary = {}, None
     if "given" in spec:
         given = dict(v_absmax=torch.rand(batch, heads) + 1, k_mean=torch.randn(batch, heads, 128))
+    if "rotary" in spec:
+        rotary = tuple(torch.randn(1, seq_len, 1, 128) for _ in range(2))
+        monkeypatch.setattr(prep_ops, "head_groups", lambda *args: 1)
     with _RecordedCall(monkeypatch) as call:
         if "into" in spec:
             out = prep_ops.empty_prepared(batch, seq_len, seq_len, heads, q.device)
@@ -410,18 +468,58 @@ def test_q_quantization_starts_beside_a_chained_launch_into_buffers_made_before_
             prep_ops.prepare_into(q, k, v, out, smooth_k="smooth_k" in spec, residual_energy=energy, **given)
         else:
             start = 0
-            prep_ops.prepare(q, k, v, spec["options"], **given)
+            prep_ops.prepare(q, k, v, spec["options"], **given, rotary=rotary)
     events = call.events[start:]
-    at = [i for i, event in enumerate(events) if event[:2] == ("launch", "quantize_q")]
+    at = [i for i, event in enumerate(events) if event[0] == "launch" and event[1] in STARTS_BESIDE]
     assert len(at) == 1, call.kinds()
     work_before = [i for i, event in enumerate(events[:at[0]]) if event[0] != "alloc"]
     assert work_before, "quantize_q launched first in the call"
     before = events[work_before[-1]]
-    assert before[0] == "launch" and before[1] != "quantize_q", (case, events[: at[0] + 1])
-    _, _, (x, q8, d_q, mean) = events[at[0]]
-    assert x.data_ptr() == q.data_ptr() and mean is None
+    assert before[0] == "launch" and before[1] not in STARTS_BESIDE, (case, events[: at[0] + 1])
     made_after = {event[1] for event in events[work_before[-1]:at[0]] if event[0] == "alloc"}
-    assert not made_after & {q8.data_ptr(), d_q.data_ptr()}, case
+    if rotary is None:
+        _, _, (x, q8, d_q, mean) = events[at[0]]
+        assert x.data_ptr() == q.data_ptr() and mean is None
+        assert not made_after & {q8.data_ptr(), d_q.data_ptr()}, case
+        return
+    _, kind, (x_q, x_k, cos, sin, q8, d_q, k8, d_k, mean, groups) = events[at[0]]
+    smooth_k = spec["options"].smooth_k
+    assert kind == prep_ops.rotary_quantize_kind(smooth_k) and (x_q.data_ptr(), x_k.data_ptr()) == (
+        q.data_ptr(), k.data_ptr()
+    )
+    assert cos.shape == sin.shape == (seq_len, 128) and groups == 1
+    assert not made_after & {t.data_ptr() for t in (q8, d_q, k8, d_k)}, case
+    kinds = [event[1] for event in events[: work_before[-1]] if event[0] == "launch"]
+    assert kinds[0] == ("absmax_and_rotated_channel_sums" if smooth_k else "absmax_per_head")
+    assert (mean is not None) == smooth_k and ("channel_mean" in kinds) == smooth_k
+
+
+def test_head_groups_give_every_sm_a_block_at_the_fewest_angle_reads(monkeypatch):
+    """``prep_ops.head_groups``: one group (each block's angles read once) wherever the blocks alone give each of
+    the GPU's 132 SMs a CTA, as at Wan's 480p and 720p; otherwise the fewest groups that do, at most one per head."""
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=132))
+    groups = prep_ops.head_groups.__wrapped__
+    assert groups(1, 32_760, 12, device) == groups(1, 75_600, 12, device) == groups(2, 16_900, 40, device) == 1
+    assert groups(1, 4096, 12, device) == 5  # 32 blocks: 160 CTAs
+    assert groups(2, 1000, 3, device) == 3 and groups(1, 128, 2, device) == 2  # fewer heads than SMs need
+
+
+@pytest.mark.parametrize("given", ["attention ranking", "v_absmax", "k_mean"])
+def test_prepare_refuses_to_rotate_inside_where_rotated_q_and_k_are_needed(monkeypatch, given):
+    """The "attention" ranking and shared scales read q and k (rotated, they would have to be): ``prepare`` with
+    tables raises before any launch instead of reading them unrotated."""
+    batch, seq_len, heads = 1, 300, 2
+    q, k, v = (torch.randn(batch, seq_len, heads, 128, dtype=torch.bfloat16) for _ in range(3))
+    rotary = tuple(torch.randn(1, seq_len, 1, 128) for _ in range(2))
+    ranking = "attention" if given == "attention ranking" else "energy"
+    options = PrepareOptions(smooth_k=True, repair_ratio=0.01, repair_ranking=ranking)
+    scales = {
+        "v_absmax": {"v_absmax": torch.ones(batch, heads)}, "k_mean": {"k_mean": torch.zeros(batch, heads, 128)}
+    }.get(given, {})
+    with _RecordedCall(monkeypatch) as call, pytest.raises(ValueError, match="rotate first \\(rotary.rotate_qk\\)"):
+        prep_ops.prepare(q, k, v, options, rotary=rotary, **scales)
+    assert call.events == []
 
 
 def test_kernel_ready_reads_in_place_where_the_kernels_can():
@@ -677,7 +775,7 @@ def test_channel_mean_matches_reference(seed, dtype, layout, seq_len):
     both_sums = torch.full_like(sums, math.nan)
     amax, both_amax = (torch.zeros(batch, heads, device="cuda") for _ in range(2))
     prep_ops.load_prep("absmax_per_head", dtype)(ready_v, amax)
-    prep_ops.load_prep("absmax_and_channel_sums", dtype)(ready_v, ready_k, both_amax, both_sums)
+    prep_ops.load_prep("absmax_and_channel_sums", dtype)(ready_v, ready_k, both_amax, both_sums, None, None)
     assert torch.equal(both_sums, expected_sums), f"{layout}, seed {seed}"
     assert torch.equal(both_amax, amax) and torch.equal(amax, v.float().abs().amax(dim=(1, 3))), f"seed {seed}"
     if seq_len <= 4100:

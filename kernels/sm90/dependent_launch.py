@@ -15,8 +15,9 @@ with ``beside_previous``) need not wait to start: it lets the launch after it st
 tokens' choice, on a few SMs); only its last CTA waits for that kernel, before it exits
 (``complete_after_previous_launch``), so that it still completes after it, and every later launch's wait still covers
 every launch before it. Its rule: the kernel before it follows ``follow_previous_launch`` (so that everything before
-that one has completed), and its outputs were allocated before that kernel was launched (so that no buffer it stores
-into can be one the kernel before it still uses).
+that one has completed, and what those launches wrote may be read: ``sm90.rotary_quant.RotaryQuantizeQK`` reads K's
+mean from a launch before that one), and its outputs were allocated before that kernel was launched (so that no
+buffer it stores into can be one the kernel before it still uses).
 """
 
 import cutlass

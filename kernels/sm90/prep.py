@@ -175,7 +175,7 @@ def _to_e4m3(x: cute.TensorSSA, scale: Float32) -> cute.TensorSSA:
 
 
 @cute.jit
-def _minus_channel_mean(x: cute.TensorSSA, mean: cute.Tensor, coords: cute.Tensor, seq_len: Int32) -> cute.TensorSSA:
+def minus_channel_mean(x: cute.TensorSSA, mean: cute.Tensor, coords: cute.Tensor, seq_len: Int32) -> cute.TensorSSA:
     """``x - mean[channel]`` in FP32 for real tokens (``quant.smoothing_mean``); padding tokens stay 0, as the
     reference pads after smoothing. ``mean``: this head's (128,) FP32 channel means; the thread's 16 channels
     are the same in every pass, so their means are loaded once."""
@@ -221,6 +221,28 @@ def _store_residual_energy(
                 energy[token] = total
 
 
+@cute.jit
+def store_quantized_block(
+    x: cute.TensorSSA, mX8: cute.Tensor, mD: cute.Tensor, b: Int32, h: Int32, n: Int32, reduction_buffer: cute.Tensor
+):
+    """Block n of (b, h), this thread's FP32 values ``x`` (as ``load_block`` holds them), quantized with the block's
+    scale (``quant.quantize_per_block``) into ``mX8`` (B, H, S_pad, 128) uint8 and its descale into ``mD``
+    (B, H, n_blocks). ``reduction_buffer``: ``_block_absmax``'s, not read by any thread until every thread has
+    passed this call's barrier."""
+    tidx, _, _ = cute.arch.thread_idx()
+    a = _block_absmax(x, reduction_buffer)
+    scale, descale = _scale_and_descale(a)
+    # Padding tokens hold 0 and quantize to 0: the whole padded block is written, unpredicated.
+    gX8 = cute.local_tile(cute.recast_tensor(mX8[b, h, None, None], cutlass.Float8E4M3FN), (BLOCK, HEAD_DIM), (n, 0))
+    tiled_copy = token_major_copy(cutlass.Float8E4M3FN)
+    tXgX8 = tiled_copy.get_slice(tidx).partition_D(gX8)
+    tXrX8 = cute.make_rmem_tensor_like(tXgX8)
+    tXrX8.store(_to_e4m3(x, scale))
+    cute.copy(tiled_copy, tXrX8, tXgX8)
+    if tidx == 0:
+        mD[b, h, n] = descale
+
+
 class QuantizePerBlock:
     """Q or K: one scale per 128-token block, optionally of K minus its channel mean. Grid (n_blocks, H, B).
 
@@ -261,21 +283,8 @@ class QuantizePerBlock:
         tXrX = load_block(mX, b, h, n, tidx)
         x = tXrX.load().to(Float32)
         if cutlass.const_expr(mMean is not None):
-            x = _minus_channel_mean(x, mMean[b, h, None], block_coords(mX, n, tidx), mX.shape[1])
-        a = _block_absmax(x, reduction_buffer)
-        scale, descale = _scale_and_descale(a)
-
-        # Padding tokens hold 0 and quantize to 0: the whole padded block is written, unpredicated.
-        gX8 = cute.local_tile(
-            cute.recast_tensor(mX8[b, h, None, None], cutlass.Float8E4M3FN), (BLOCK, HEAD_DIM), (n, 0)
-        )
-        tiled_copy = token_major_copy(cutlass.Float8E4M3FN)
-        tXgX8 = tiled_copy.get_slice(tidx).partition_D(gX8)
-        tXrX8 = cute.make_rmem_tensor_like(tXgX8)
-        tXrX8.store(_to_e4m3(x, scale))
-        cute.copy(tiled_copy, tXrX8, tXgX8)
-        if tidx == 0:
-            mD[b, h, n] = descale
+            x = minus_channel_mean(x, mMean[b, h, None], block_coords(mX, n, tidx), mX.shape[1])
+        store_quantized_block(x, mX8, mD, b, h, n, reduction_buffer)
         if cutlass.const_expr(self.beside_previous):
             last_cta = (n == mD.shape[2] - 1) & (h == mD.shape[1] - 1) & (b == mD.shape[0] - 1)
             complete_after_previous_launch(last_cta)
@@ -423,16 +432,40 @@ class AbsmaxAndChannelSums:
     precede its first shuffle). Grid (n_blocks, H, B)."""
 
     @cute.jit
-    def __call__(self, mV: cute.Tensor, mK: cute.Tensor, mAmax: cute.Tensor, mSums: cute.Tensor, stream: cuda.CUstream):
+    def __call__(
+        self,
+        mV: cute.Tensor,
+        mK: cute.Tensor,
+        mAmax: cute.Tensor,
+        mSums: cute.Tensor,
+        mCos: cute.Tensor | None,
+        mSin: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
         """mV, mK (B, S, H, 128) fp16/bf16 of the same shape; mAmax (B, H) fp32, zeroed; mSums (B, H, n_blocks,
-        128) fp32."""
-        self.kernel(mV, mK, mAmax, mSums).launch(
+        128) fp32; mCos, mSin: None here (``rotary_quant.AbsmaxAndRotatedChannelSums`` reads them)."""
+        self.kernel(mV, mK, mAmax, mSums, mCos, mSin).launch(
             grid=[mSums.shape[2], mSums.shape[1], mSums.shape[0]], block=[THREADS, 1, 1], stream=stream,
             **launch_options(),
         )
 
+    @cute.jit
+    def summed_values(
+        self, k_block: cute.Tensor, coords: cute.Tensor, mCos: cute.Tensor | None, mSin: cute.Tensor | None
+    ) -> cute.TensorSSA:
+        """The FP32 values whose channel sums are taken, from this thread's fragment of K's block."""
+        return k_block.load().to(Float32)
+
     @cute.kernel
-    def kernel(self, mV: cute.Tensor, mK: cute.Tensor, mAmax: cute.Tensor, mSums: cute.Tensor):
+    def kernel(
+        self,
+        mV: cute.Tensor,
+        mK: cute.Tensor,
+        mAmax: cute.Tensor,
+        mSums: cute.Tensor,
+        mCos: cute.Tensor | None,
+        mSin: cute.Tensor | None,
+    ):
         follow_previous_launch()
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
@@ -444,7 +477,7 @@ class AbsmaxAndChannelSums:
         _merge_absmax(v_block.load().to(Float32), mAmax, b, h, reduction_buffer)
         coords = block_coords(mK, n, tidx)
         values = cute.make_rmem_tensor(coords.shape, Float32)
-        values.store(k_block.load().to(Float32))
+        values.store(self.summed_values(k_block, coords, mCos, mSin))
         _store_channel_sums(values, coords, mSums[b, h, n, None], warp_sums)
 
 

@@ -34,9 +34,13 @@ PAIRS_PER_THREAD = CHANNELS_PER_THREAD // 2
 
 
 @cute.jit
-def load_angles(mCos: cute.Tensor, mSin: cute.Tensor, coords: cute.Tensor) -> tuple[cute.Tensor, cute.Tensor]:
+def load_angles(
+    mCos: cute.Tensor, mSin: cute.Tensor, coords: cute.Tensor, token_stride: cutlass.Constexpr[int] = 1
+) -> tuple[cute.Tensor, cute.Tensor]:
     """cos of the even channel and sin of the odd channel of each of this thread's pairs, per pass:
-    (PAIRS_PER_THREAD, passes) FP32 each, 0 for tokens past S. ``coords``: ``prep.block_coords``."""
+    (PAIRS_PER_THREAD, passes) FP32 each, 0 for tokens past S, and for tokens that are not a multiple of
+    ``token_stride`` (those ``prep.load_block`` leaves unloaded with the same stride). ``coords``:
+    ``prep.block_coords``."""
     passes = cute.size(coords, mode=[1])
     cos = cute.make_rmem_tensor((PAIRS_PER_THREAD, passes), Float32)
     sin = cute.make_rmem_tensor((PAIRS_PER_THREAD, passes), Float32)
@@ -44,12 +48,28 @@ def load_angles(mCos: cute.Tensor, mSin: cute.Tensor, coords: cute.Tensor) -> tu
     sin.fill(0.0)
     for p in cutlass.range_constexpr(passes):
         token = coords[0, p, 0][0]
-        if token < mCos.shape[0]:
+        if token < mCos.shape[0] and token % token_stride == 0:
             for j in cutlass.range_constexpr(PAIRS_PER_THREAD):
                 channel = coords[2 * j, p, 0][1]
                 cos[j, p] = mCos[token, channel]
                 sin[j, p] = mSin[token, channel + 1]
     return cos, sin
+
+
+@cute.jit
+def rotate_fragment(x_in: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor) -> cute.Tensor:
+    """This thread's values of a block (``load_block``'s fragment) rotated, in FP32 (not yet rounded to the input
+    dtype): the module docstring's arithmetic. ``cos``, ``sin``: (PAIRS_PER_THREAD, passes) as ``load_angles``
+    returns them, in registers or in shared memory."""
+    x = cute.make_rmem_tensor(x_in.shape, Float32)
+    x.store(x_in.load().to(Float32))
+    rotated = cute.make_rmem_tensor(x_in.shape, Float32)
+    for p in cutlass.range_constexpr(cute.size(x, mode=[1])):
+        for j in cutlass.range_constexpr(PAIRS_PER_THREAD):
+            x1, x2 = x[2 * j, p, 0], x[2 * j + 1, p, 0]
+            rotated[2 * j, p, 0] = mul_rn(x1, cos[j, p]) - mul_rn(x2, sin[j, p])
+            rotated[2 * j + 1, p, 0] = mul_rn(x1, sin[j, p]) + mul_rn(x2, cos[j, p])
+    return rotated
 
 
 @cute.jit
@@ -60,15 +80,7 @@ def rotate_block(
     neither read nor written."""
     tidx, _, _ = cute.arch.thread_idx()
     coords = block_coords(mX, n, tidx)
-    x = cute.make_rmem_tensor(coords.shape, Float32)
-    x.store(load_block(mX, b, h, n, tidx).load().to(Float32))
-    rotated = cute.make_rmem_tensor(coords.shape, Float32)
-    for p in cutlass.range_constexpr(cute.size(coords, mode=[1])):
-        for j in cutlass.range_constexpr(PAIRS_PER_THREAD):
-            x1, x2 = x[2 * j, p, 0], x[2 * j + 1, p, 0]
-            rotated[2 * j, p, 0] = mul_rn(x1, cos[j, p]) - mul_rn(x2, sin[j, p])
-            rotated[2 * j + 1, p, 0] = mul_rn(x1, sin[j, p]) + mul_rn(x2, cos[j, p])
-
+    rotated = rotate_fragment(load_block(mX, b, h, n, tidx), cos, sin)
     tiled_copy = token_major_copy(mOut.element_type)
     gOut = cute.local_tile(mOut[b, None, h, None], (BLOCK, HEAD_DIM), (n, 0))
     tOgOut = tiled_copy.get_slice(tidx).partition_D(gOut)

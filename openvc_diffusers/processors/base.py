@@ -196,9 +196,10 @@ class OpenVCProcessorBase:
         self, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cross: bool, **options
     ) -> torch.Tensor:
         """Attention on ``(B, S, H, D)`` through the backend the policy picks; ``(B, S_q, H * D)`` out. ``options``
-        are ``backend.attend``'s: ``attn_mask``, ``valid_len``, ``pad_queries``, and ``parallel_config``: the one
-        diffusers' stock code passed with the call (None for cross-attention to a context it leaves whole), else
-        this processor's."""
+        are ``backend.attend``'s: ``attn_mask``, ``valid_len``, ``pad_queries``, ``rotary`` (the tables of a
+        rotary embedding that q and k have not had yet, which the backend took from the stock code), and
+        ``parallel_config``: the one diffusers' stock code passed with the call (None for cross-attention to a
+        context it leaves whole), else this processor's."""
         self._check_step_tracking()
         route = self.route(attn, is_cross=is_cross)
         options.setdefault("parallel_config", self._parallel_config)
