@@ -172,11 +172,12 @@ def rotates_in_preparation(return_lse: bool, repair_ranking: str, v_absmax, k_me
 
 @functools.cache
 def build_failure(
-    dtype: torch.dtype, *, plain_order: bool, smooth_k: bool, repair: bool, lse: bool = False
+    dtype: torch.dtype, *, plain_order: bool, smooth_k: bool, repair: bool, lse: bool = False, rotary: bool = False
 ) -> str | None:
     """Compile (or load) every kernel a call with these options runs (``lse``: the kernel that writes the
-    log-sum-exp); None when they are ready, else the ``KernelUnavailableError`` message (cause and fix), so that a
-    caller can fall back instead of failing."""
+    log-sum-exp; ``rotary``: the rotary embedding inside the preparation, ``rotates_in_preparation``); None when
+    they are ready, else the ``KernelUnavailableError`` message (cause and fix), so that a caller can fall back
+    instead of failing."""
     try:
         from . import prep_ops
 
@@ -191,6 +192,10 @@ def build_failure(
             for kind in prep_ops.SELECT_KINDS:
                 prep_ops.load_prep(kind)
             prep_ops.load_prep("repair_rows", dtype)
+        if rotary:
+            prep_ops.load_prep(prep_ops.rotary_quantize_kind(smooth_k), dtype)
+            if smooth_k:
+                prep_ops.load_prep("absmax_and_rotated_channel_sums", dtype)
         _kernel(ForwardConfig(plain_order=plain_order, write_lse=lse))
     except KernelUnavailableError as error:
         return str(error)

@@ -6,10 +6,15 @@ launch reads Q, K and the tables once and writes Q and K once. Compiled once per
 shapes and strides symbolic, no GPU needed.
 """
 
+import functools
+import logging
+
 import torch
 
 from .compile_cache import load_or_compile
-from .support import HEAD_DIM, kernel_unavailable_reason
+from .support import HEAD_DIM, KernelUnavailableError, kernel_unavailable_reason
+
+logger = logging.getLogger(__name__)
 
 TABLE_ALIGN = 16
 """Bytes: the tables' row stride and base, as the kernel assumes them."""
@@ -44,11 +49,24 @@ def rotate_qk(
 
 def kernel_rotary_reason(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
     """None where ``RotaryQK`` takes these tensors: q and k fp16/bf16 (B, S, H, 128) of one shape and dtype on a
-    Hopper GPU, the tables (1, S, 1, 128) FP32 on the same device; else why not."""
+    Hopper GPU, the tables (1, S, 1, 128) FP32 on the same device, and the kernel built; else why not."""
     if q.dim() != 4:
         return f"q has {q.dim()} dims, not (B, S, H, D)"
     reason = kernel_unavailable_reason(q.device, q.dtype, q.shape[-1])
-    return reason if reason is not None else tables_reason(q, k, cos, sin)
+    reason = reason if reason is not None else tables_reason(q, k, cos, sin)
+    return reason if reason is not None else rotary_build_failure(q.dtype)
+
+
+@functools.cache
+def rotary_build_failure(dtype: torch.dtype) -> str | None:
+    """None once ``RotaryQK`` for ``dtype`` is compiled (or loaded), else why it cannot be (logged once: the
+    reference then rotates, as diffusers would, instead of the call failing)."""
+    try:
+        load_rotary(dtype)
+    except KernelUnavailableError as error:
+        logger.warning("openvc: the rotary embedding runs its PyTorch reference: %s", error)
+        return str(error)
+    return None
 
 
 def tables_reason(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:

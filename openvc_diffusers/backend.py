@@ -261,7 +261,9 @@ def attend(
     q_seen = q[:, :valid_len] if trim and pad_queries else q
     layer = None if is_cross else route.layer
     has_mask = attn_mask is not None and not trim
-    call = Call(q_seen, k, v, is_cross=is_cross, has_mask=has_mask, layer=layer, step=route.step)
+    call = Call(
+        q_seen, k, v, is_cross=is_cross, has_mask=has_mask, layer=layer, step=route.step, rotary=rotary is not None
+    )
     decision = decide(route.config, call)
     route.count("cross" if is_cross else "self", decision.backend)
     if trim and decision.backend != SDPA:

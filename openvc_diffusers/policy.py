@@ -7,7 +7,7 @@ import torch
 
 import openvc_kernels
 from openvc_kernels.forward_only import needs_grad
-from openvc_kernels.ops import build_failure
+from openvc_kernels.ops import build_failure, rotates_in_preparation
 from openvc_kernels.support import HEAD_DIM
 from openvc_kernels.validation import INPUT_DTYPES, check_qkv
 
@@ -36,6 +36,8 @@ class Call:
     query_tokens: int | None = None
     """The query tokens of the whole call, where ``query`` is one ring shard of it (``min_tokens`` applies to the
     whole: every rank then decides alike, as one process would); None: ``query``'s own."""
+    rotary: bool = False
+    """The call brings the tables of a rotary embedding that the query and key still need (``attention.run``)."""
 
     def __post_init__(self):
         check_qkv(self.query, self.key, self.value)
@@ -90,12 +92,12 @@ def openvc_unavailable_reason(config: OpenVCConfig, call: Call) -> str | None:
         return None  # the reference runs anywhere
     # HEAD_DIM, not q.shape[-1] (checked above): with dynamic=True that is symbolic, and so would be the options read
     # from the config; the constant lookup below takes constants (the options as text).
-    return kernel_unavailable_reason(q.device, q.dtype, HEAD_DIM, config.kernel_options_text)
+    return kernel_unavailable_reason(q.device, q.dtype, HEAD_DIM, config.kernel_options_text, call.rotary)
 
 
 @torch.compiler.assume_constant_result
 def kernel_unavailable_reason(
-    device: torch.device, dtype: torch.dtype, head_dim: int, kernel_options_text: str
+    device: torch.device, dtype: torch.dtype, head_dim: int, kernel_options_text: str, rotary: bool = False
 ) -> str | None:
     """Why the Hopper kernel cannot take queries of this device, dtype and head dim with these options
     (``OpenVCConfig.kernel_options_text``; ``openvc_kernels.kernel_unavailable_reason``), or why its kernels cannot
@@ -107,7 +109,11 @@ def kernel_unavailable_reason(
         return reason
     options = json.loads(kernel_options_text)
     return build_failure(
-        dtype, plain_order=options["window"] is None, smooth_k=options["smooth_k"], repair=options["repair_ratio"] > 0
+        dtype,
+        plain_order=options["window"] is None,
+        smooth_k=options["smooth_k"],
+        repair=options["repair_ratio"] > 0,
+        rotary=rotary and rotates_in_preparation(False, options["repair_ranking"], None, None),
     )
 
 

@@ -3,6 +3,9 @@
 import pytest
 import torch
 
+POISON = 0x7F
+"""E4M3 NaN, FP32 3.4e38: any output byte a kernel forgets to write shows up."""
+
 needs_hopper = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs a Hopper GPU"
 )
@@ -12,3 +15,10 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     """Float64 softmax attention on (B, S, H, D)."""
     q, k, v = (x.double().transpose(1, 2) for x in (q, k, v))
     return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+
+
+def poisoned_prepared(prepared):
+    """``prepared`` (a ``prep_ops.Prepared`` of fresh buffers) with every buffer filled with ``POISON`` bytes."""
+    for t in prepared[:-1]:
+        t.view(torch.uint8).fill_(POISON)
+    return prepared

@@ -6,6 +6,7 @@ HunyuanVideo's tables, where it stands in for diffusers' ``apply_rotary_emb`` (`
 import collections
 import importlib
 import json
+import logging
 import os
 import re
 import subprocess
@@ -16,6 +17,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoRotaryPosEmbed
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+from helpers import needs_hopper, poisoned_prepared
 
 import openvc_diffusers
 from openvc_diffusers import backend
@@ -27,11 +29,6 @@ from openvc_kernels.rotary import kernel_rotary_reason, rotary_reference, rotate
 
 attention = importlib.import_module("openvc_diffusers.attention")
 """The module (the package's ``attention`` is its function)."""
-
-needs_hopper = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs a Hopper GPU"
-)
-
 
 def _angles(seq_len: int, device="cpu") -> torch.Tensor:
     """Random float64 angles, one per token and channel pair: (S, 64)."""
@@ -106,6 +103,7 @@ def test_rotate_qk_falls_back_to_the_reference_off_hopper(fresh_seed):
 
 def test_kernel_rotary_reason_names_what_the_kernel_cannot_take(monkeypatch):
     monkeypatch.setattr(rotary, "kernel_unavailable_reason", lambda *args: None)
+    monkeypatch.setattr(rotary, "rotary_build_failure", lambda dtype: None)
     q = torch.zeros(1, 10, 2, 128, dtype=torch.bfloat16)
     cos, sin = _tables(_angles(10))
     assert kernel_rotary_reason(q, q, cos, sin) is None
@@ -237,6 +235,69 @@ def test_the_kernel_route_takes_the_tables_and_every_other_backend_rotates_first
         assert "rotary" not in kwargs
 
 
+@pytest.mark.parametrize("ranking", ["energy", "attention"])
+def test_the_policy_builds_the_rotation_inside_the_preparation_before_taking_the_kernel(monkeypatch, ranking):
+    """A call that brings tables reaches the policy as ``Call.rotary``, which builds the fused rotation's kernels
+    (where the options rotate inside the preparation) before the kernel is chosen: a failed compile falls back."""
+    from openvc_diffusers import policy
+    from openvc_kernels import ops
+
+    built = []
+    monkeypatch.setattr(policy.openvc_kernels, "kernel_unavailable_reason", lambda *args: None)
+    monkeypatch.setattr(policy, "build_failure", lambda dtype, **options: built.append(options) or "no ptxas")
+    config = openvc_diffusers.load_config({"repair_ranking": ranking, "smooth_k": True})
+    options = config.kernel_options_text
+    assert policy.kernel_unavailable_reason(torch.device("cuda"), torch.bfloat16, 128, options, True) == "no ptxas"
+    assert built[-1]["rotary"] is (ranking == "energy") and built[-1]["smooth_k"]
+    policy.kernel_unavailable_reason(torch.device("cuda"), torch.bfloat16, 128, options)
+    assert built[-1]["rotary"] is False
+
+    calls = []
+    monkeypatch.setattr(backend, "decide", lambda config, call: calls.append(call) or Decision(SDPA))
+    monkeypatch.setattr(backend, "run", lambda decision, config, q, *args, **kwargs: q)
+    route = backend.Route(own_config=config)
+    q, k, v = (torch.randn(1, 16, 2, 128) for _ in range(3))
+    backend.attend(route, q, k, v, rotary=_tables(_angles(16)))
+    backend.attend(route, q, k, v)
+    assert [call.rotary for call in calls] == [True, False]
+
+    loaded = []
+    monkeypatch.setattr(ops._dsl_module("prep_ops"), "load_kernels", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ops._dsl_module("prep_ops"), "load_prep", lambda kind, dtype=None: loaded.append(kind))
+    monkeypatch.setattr(ops, "_kernel", lambda config: None)
+    ops.build_failure.cache_clear()
+    try:
+        for smooth_k in (False, True):
+            failure = ops.build_failure(torch.bfloat16, plain_order=False, smooth_k=smooth_k, repair=False, rotary=True)
+            assert failure is None
+    finally:
+        ops.build_failure.cache_clear()
+    fused = ["rotary_quantize_qk", "rotary_quantize_qk_centered", "absmax_and_rotated_channel_sums"]
+    assert [kind for kind in loaded if "rota" in kind] == fused
+
+
+def test_rotate_qk_rotates_with_the_reference_where_the_kernel_fails_to_compile(fresh_seed, monkeypatch, caplog):
+    def broken(dtype):
+        raise rotary.KernelUnavailableError("openvc: the FP8 kernel rotary_qk failed to compile: ptxas fatal")
+
+    monkeypatch.setattr(rotary, "kernel_unavailable_reason", lambda *args: None)
+    monkeypatch.setattr(rotary, "load_rotary", broken)
+    rotary.rotary_build_failure.cache_clear()
+    q, k = torch.randn(2, 1, 10, 2, 128, dtype=torch.bfloat16)
+    cos, sin = _tables(_angles(10))
+    try:
+        with caplog.at_level(logging.WARNING, logger="openvc_kernels"):
+            for _ in range(2):
+                out_q, out_k = rotate_qk(q, k, cos, sin)
+    finally:
+        rotary.rotary_build_failure.cache_clear()
+    assert torch.equal(out_q, rotary_reference(q, cos, sin)) and torch.equal(out_k, rotary_reference(k, cos, sin))
+    assert [r.getMessage() for r in caplog.records] == [
+        "openvc: the rotary embedding runs its PyTorch reference: openvc: the FP8 kernel rotary_qk failed to compile: "
+        "ptxas fatal"
+    ]
+
+
 @pytest.mark.parametrize("where", ["trimmed to valid keys", "cross-attention"])
 def test_calls_the_kernel_sees_only_in_part_are_rotated_before_the_policy(monkeypatch, where):
     """``backend.attend`` rotates first where the kernel would not get the whole sequence the tables are of (keys
@@ -341,17 +402,14 @@ def test_prepare_rotating_inside_writes_the_bytes_of_rotating_first(
 
 
 class _PoisonedPrepared:
-    """``prep_ops.empty_prepared`` whose buffers come filled with 0x7F bytes (E4M3 NaN; FP32 3.4e38), counted."""
+    """``prep_ops.empty_prepared`` whose buffers come poisoned (``poisoned_prepared``), counted."""
 
     def __init__(self, empty):
         self.empty, self.calls = empty, 0
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
-        out = self.empty(*args, **kwargs)
-        for t in out[:-1]:
-            t.view(torch.uint8).fill_(0x7F)
-        return out
+        return poisoned_prepared(self.empty(*args, **kwargs))
 
 
 @pytest.mark.gpu

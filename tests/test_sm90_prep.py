@@ -13,6 +13,7 @@ import types
 
 import pytest
 import torch
+from helpers import POISON, poisoned_prepared
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from openvc_kernels.preparation import Prepared, PrepareOptions, prepare_reference, write_repair_rows
@@ -35,10 +36,8 @@ VARIANTS = [(kind, str(dtype)) for kind in INPUT_KINDS for dtype in DTYPES] + [
     (kind, None) for kind in prep_ops.DTYPE_FREE_KINDS
 ]
 """(kind, input dtype): every compiled preparation kernel."""
-POISON = 0x7F
 STARTS_BESIDE = ("quantize_q", "rotary_quantize_qk", "rotary_quantize_qk_centered")
 """The kernels that start beside the launch before them (``sm90.dependent_launch``)."""
-"""E4M3 NaN: any output byte a kernel forgets to write shows up."""
 
 
 def _layout_value(shape, stride, index: int) -> int:
@@ -629,10 +628,7 @@ _empty_prepared = prep_ops.empty_prepared
 
 
 def _poisoned(batch: int, seq_q: int, seq_k: int, heads: int, device, *, repair_keys: int = 0) -> Prepared:
-    out = _empty_prepared(batch, seq_q, seq_k, heads, device, repair_keys=repair_keys)
-    for t in out[:-1]:
-        t.view(torch.uint8).fill_(POISON)
-    return out
+    return poisoned_prepared(_empty_prepared(batch, seq_q, seq_k, heads, device, repair_keys=repair_keys))
 
 
 def _assert_identical(out: Prepared, ref: Prepared, context: str) -> None:
