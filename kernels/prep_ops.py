@@ -330,13 +330,19 @@ def rotary_quantize_kind(smooth_k: bool) -> str:
     return "rotary_quantize_qk_centered" if smooth_k else "rotary_quantize_qk"
 
 
+# CTAs per SM that ``RotaryQuantizeQK`` needs: two fit at once (its registers), and a third lets an SM whose CTA
+# ends early start another while the slower ones finish (notes/kernel.md, 2026-12-05: the fewest groups giving one
+# CTA per SM were 8% slower at Wan 480p's 256 blocks).
+ROTARY_CTAS_PER_SM = 3
+
+
 @functools.cache
 def head_groups(batch: int, seq_len: int, heads: int, device: torch.device) -> int:
     """G, the CTAs that share one block's heads in ``RotaryQuantizeQK`` (each walks ``heads / G`` of them and reads
-    the block's angles): the fewest that give every SM a CTA. Each further group reads the angles once more, and
-    a launch bound by memory needs every SM reading, not full waves."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return min(heads, -(-sms // (batch * num_blocks(seq_len))))
+    the block's angles): the fewest that give every SM ``ROTARY_CTAS_PER_SM`` CTAs. Each further group reads the
+    angles once more, so no more than that."""
+    ctas = ROTARY_CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return min(heads, -(-ctas // (batch * num_blocks(seq_len))))
 
 
 def prepare(

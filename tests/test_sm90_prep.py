@@ -493,14 +493,19 @@ def test_q_quantization_starts_beside_a_chained_launch_into_buffers_made_before_
     assert (mean is not None) == smooth_k and ("channel_mean" in kinds) == smooth_k
 
 
-def test_head_groups_give_every_sm_a_block_at_the_fewest_angle_reads(monkeypatch):
+def test_head_groups_give_every_sm_three_ctas_at_the_fewest_angle_reads(monkeypatch):
     """``prep_ops.head_groups``: one group (each block's angles read once) wherever the blocks alone give each of
-    the GPU's 132 SMs a CTA, as at Wan's 480p and 720p; otherwise the fewest groups that do, at most one per head."""
+    the GPU's 132 SMs ``ROTARY_CTAS_PER_SM`` (3) CTAs, as at Wan's 720p; otherwise the fewest groups that do, at
+    most one per head."""
     device = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=132))
     groups = prep_ops.head_groups.__wrapped__
-    assert groups(1, 32_760, 12, device) == groups(1, 75_600, 12, device) == groups(2, 16_900, 40, device) == 1
-    assert groups(1, 4096, 12, device) == 5  # 32 blocks: 160 CTAs
+    assert prep_ops.ROTARY_CTAS_PER_SM == 3
+    assert groups(1, 75_600, 12, device) == groups(1, 50_688, 40, device) == 1  # 591 and 396 blocks
+    assert groups(1, 32_760, 12, device) == 2  # Wan 480p: 256 blocks, 512 CTAs
+    assert groups(1, 50_560, 40, device) == 2  # 395 blocks: one short of 396
+    assert groups(2, 16_900, 40, device) == 2  # 2 x 133 blocks
+    assert groups(1, 4096, 12, device) == 12 and groups(1, 4096, 40, device) == 13  # 32 blocks: 396 CTAs need 13
     assert groups(2, 1000, 3, device) == 3 and groups(1, 128, 2, device) == 2  # fewer heads than SMs need
 
 
