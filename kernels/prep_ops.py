@@ -331,8 +331,7 @@ def rotary_quantize_kind(smooth_k: bool) -> str:
 
 
 # CTAs per SM that ``RotaryQuantizeQK`` needs: two fit at once (its registers), and a third lets an SM whose CTA
-# ends early start another while the slower ones finish (notes/kernel.md, 2026-12-05: the fewest groups giving one
-# CTA per SM were 8% slower at Wan 480p's 256 blocks).
+# ends early start another while the slower ones finish (measured in notes/kernel.md, 2026-12-05, at Wan 480p).
 ROTARY_CTAS_PER_SM = 3
 
 
