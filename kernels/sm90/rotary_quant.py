@@ -127,4 +127,4 @@ class AbsmaxAndRotatedChannelSums(AbsmaxAndChannelSums):
         self, k_block: cute.Tensor, coords: cute.Tensor, mCos: cute.Tensor | None, mSin: cute.Tensor | None
     ) -> cute.TensorSSA:
         cos, sin = load_angles(mCos, mSin, coords, MEAN_TOKEN_STRIDE)
-        return rotate_fragment(k_block, cos, sin).load().to(k_block.element_type).to(Float32)
+        return _rotated_and_rounded(k_block, cos, sin)
