@@ -16,7 +16,7 @@ import torch
 from .compile_cache import load_or_compile
 from .expcast import codes_per_dot
 from .sm90.config import ForwardConfig
-from .preparation import REPAIR_ROOM_ALIGN, Prepared, PrepareOptions
+from .preparation import REPAIR_ROOM_ALIGN, Prepared, PrepareOptions, preparation_may_rotate
 from .sm90.layout import PV_N
 from .sm90.target import COMPILE_OPTIONS, row_major_fake
 from .quant import BLOCK, num_blocks, smoothing_lse_shift, softmax_scale_or_default
@@ -167,7 +167,7 @@ def rotates_in_preparation(return_lse: bool, repair_ranking: str, v_absmax, k_me
     """Whether a call with a rotary embedding rotates q and k inside the preparation (``prep_ops.prepare``'s
     ``rotary``), never writing them rotated: where nothing else reads them, so not for the lse's K-smoothing shift,
     the "attention" repair ranking, nor a ring shard's shared scales; else ``rotary.rotate_qk`` runs first."""
-    return not return_lse and repair_ranking != "attention" and v_absmax is None and k_mean is None
+    return not return_lse and preparation_may_rotate(repair_ranking, v_absmax, k_mean)
 
 
 @functools.cache

@@ -15,7 +15,7 @@ import torch
 from cutlass import Float32, Int32, Int64, Uint8
 
 from .compile_cache import load_or_compile
-from .preparation import REPAIR_ROOM_ALIGN, Prepared, PrepareOptions, repair_room
+from .preparation import REPAIR_ROOM_ALIGN, Prepared, PrepareOptions, preparation_may_rotate, repair_room
 from .quant import BLOCK, code_span_numerator, mean_tokens, num_blocks, softmax_scale_or_default
 from .repair import repair_count, repair_score
 from .rotary import TABLE_ALIGN, kernel_table
@@ -373,7 +373,7 @@ def prepare(
     rotated q and k: the "energy" ranking, no ``v_absmax`` nor ``k_mean`` (else ``ValueError``); the caller checks
     the tables (``rotary.tables_reason``).
     """
-    if rotary is not None and (options.repair_ranking == "attention" or v_absmax is not None or k_mean is not None):
+    if rotary is not None and not preparation_may_rotate(options.repair_ranking, v_absmax, k_mean):
         raise ValueError(
             "prepare(rotary=...) rotates q and k only as it quantizes them, but the \"attention\" ranking, v_absmax "
             "and k_mean need them rotated: rotate first (rotary.rotate_qk)"

@@ -24,6 +24,13 @@ def repair_room(count: int) -> int:
     return -(-count // REPAIR_ROOM_ALIGN) * REPAIR_ROOM_ALIGN
 
 
+def preparation_may_rotate(repair_ranking: str, v_absmax, k_mean) -> bool:
+    """Whether a preparation with these options reads q and k only to quantize them, so that it may rotate them
+    as it does (``prep_ops.prepare(rotary=...)``): not for the "attention" ranking's scores, nor with a ring shard's
+    shared scales (``v_absmax``, ``k_mean``), which were taken of the rotated keys."""
+    return repair_ranking != "attention" and v_absmax is None and k_mean is None
+
+
 class PrepareOptions(NamedTuple):
     """How q, k, v are prepared, as in ``reference_attention``: K smoothing, V residual repair (rho and the ranking
     of its candidates) and the softmax scale (default ``1 / sqrt(D)``), which the descale guards and the
