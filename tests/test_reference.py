@@ -219,15 +219,20 @@ def test_k_smoothing_removes_the_cost_of_channel_offsets(fresh_seed):
 def test_attention_ranked_repair_fixes_the_keys_that_matter(fresh_seed):
     # A few "sink" keys take much of every row's attention; V norms are heavy-tailed and independent of K,
     # so ranking by residual energy alone mostly repairs keys that receive little attention.
-    q, k, v = randn(1, 2048, 2, dtype=torch.float32)
-    q += 0.5
-    k[:, torch.randperm(2048)[:20]] += 2.0
-    v *= torch.exp(1.5 * torch.randn(1, 2048, 2, 1))
-    exact = exact_attention(q, k, v)
-    energy = rel_l2(reference_attention(q, k, v, repair_ratio=0.005, repair_ranking="energy"), exact)
-    attention = rel_l2(reference_attention(q, k, v, repair_ratio=0.005, repair_ranking="attention"), exact)
-    # Measured over 8 seeds: 0.89 to 0.99 times the energy ranking's error.
-    assert attention < energy, f"seed {fresh_seed}: {attention:.4f} vs {energy:.4f}"
+    ratios = []
+    for _ in range(4):
+        q, k, v = randn(1, 2048, 2, dtype=torch.float32)
+        q += 0.5
+        k[:, torch.randperm(2048)[:20]] += 2.0
+        v *= torch.exp(1.5 * torch.randn(1, 2048, 2, 1))
+        exact = exact_attention(q, k, v)
+        energy = rel_l2(reference_attention(q, k, v, repair_ratio=0.005, repair_ranking="energy"), exact)
+        attention = rel_l2(reference_attention(q, k, v, repair_ratio=0.005, repair_ranking="attention"), exact)
+        ratios.append(attention / energy)
+    # One draw alone, over 40 seeds (2026-12-05): 0.90 to 0.998 times the energy ranking's error, median 0.935, and
+    # 1.013 at seed 758322029; so the test asks it of the four draws' geometric mean.
+    mean = float(np.exp(np.mean(np.log(ratios))))
+    assert mean < 1, f"seed {fresh_seed}: attention over energy ranking's error {mean:.4f} ({ratios})"
 
 
 def test_bad_repair_ranking():
