@@ -12,6 +12,8 @@
 #   ncu       Nsight Compute on one forward-kernel launch at each of ${NCU_SHAPES} (default 32760x12;
 #             notes/kernel_once.py); the preparation's launches instead with NCU_SCRIPT=prep_once.py
 #             NCU_KERNELS="PackV|QuantizePerBlock|AbsmaxAndChannelSums|SelectRepairTokens" NCU_SKIP=5 NCU_COUNT=5
+#             (NCU_SCRIPT_ARGS=rotary: the preparation rotating inside, NCU_SKIP=4 NCU_COUNT=4 for
+#             "RotaryQuantizeQK|AbsmaxAndRotatedChannelSums|PackV|SelectRepairTokens")
 #   pipeline  examples/bench_pipeline.py ${PIPELINE_ARGS}
 #   ulysses   torchrun examples/bench_ulysses.py on every GPU of the machine ${ULYSSES_ARGS}
 #   probe     notes/${PROBE} (default probe_variants.py; several names, split on spaces, run in turn), each a
@@ -97,7 +99,8 @@ for stage in ${STAGES:-none}; do
           --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
           --section SchedulerStats --section Occupancy --section LaunchStats \
           --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second \
-          python3 notes/${NCU_SCRIPT:-kernel_once.py} $shape 2>&1 | tee $OUT/ncu_$shape.log | tail -n ${NCU_TAIL:-120}
+          python3 notes/${NCU_SCRIPT:-kernel_once.py} $shape ${NCU_SCRIPT_ARGS:-} 2>&1 | tee $OUT/ncu_$shape.log \
+          | tail -n ${NCU_TAIL:-120}
       done ;;
     pipeline)
       timeout -k 5 ${PIPELINE_TIMEOUT:-400} python3 examples/bench_pipeline.py ${PIPELINE_ARGS:---size 480p,720p --steps 3} \

@@ -1,6 +1,7 @@
 """Device probe for ncu: the preparation with the processor's defaults (K smoothing, V residual repair at 0.5%,
 energy ranking), twice, at S x H (default Wan2.1-1.3B 480p's 32,760 x 12; another as
-``python3 notes/prep_once.py 75600x40``).
+``python3 notes/prep_once.py 75600x40``); with ``rotary`` after the shape, rotating q and k inside (Wan's tables,
+random angles: ``prep_ops.prepare(rotary=...)``), as the processor's calls do in eager inference.
 
     ncu --clock-control none -k regex:"PackV|QuantizePerBlock|AbsmaxAndChannelSums|SelectRepairTokens" \
         --launch-skip 5 --launch-count 5 --section SpeedOfLight python3 notes/prep_once.py
@@ -12,12 +13,17 @@ import sys
 
 import torch
 
-from openvc_kernels.ops import prepare
+from openvc_kernels import prep_ops
+from openvc_kernels.preparation import PrepareOptions
 
 SEQ, HEADS = (int(n) for n in (sys.argv[1] if len(sys.argv) > 1 else "32760x12").split("x"))
+ROTARY = sys.argv[2:] == ["rotary"]
 
 q, k, v = (torch.randn(1, SEQ, HEADS, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+angles = torch.rand(SEQ, 64, dtype=torch.float64, device="cuda") * 100
+tables = tuple(f(angles).repeat_interleave(2, -1).float().view(1, SEQ, 1, 128) for f in (torch.cos, torch.sin))
 for _ in range(2):
-    prepared = prepare(q, k, v, smooth_k=True, repair_ratio=0.005)
+    options = PrepareOptions(smooth_k=True, repair_ratio=0.005)
+    prepared = prep_ops.prepare(q, k, v, options, rotary=tables if ROTARY else None)
 torch.cuda.synchronize()
 print("ran", prepared.d_v.sum().item())
