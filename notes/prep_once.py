@@ -13,17 +13,18 @@ import sys
 
 import torch
 
+from probe_rotary_prep import tables
+
 from openvc_kernels import prep_ops
 from openvc_kernels.preparation import PrepareOptions
 
 SEQ, HEADS = (int(n) for n in (sys.argv[1] if len(sys.argv) > 1 else "32760x12").split("x"))
 ROTARY = sys.argv[2:] == ["rotary"]
+OPTIONS = PrepareOptions(smooth_k=True, repair_ratio=0.005)
 
 q, k, v = (torch.randn(1, SEQ, HEADS, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-angles = torch.rand(SEQ, 64, dtype=torch.float64, device="cuda") * 100
-tables = tuple(f(angles).repeat_interleave(2, -1).float().view(1, SEQ, 1, 128) for f in (torch.cos, torch.sin))
+rotary = tables(SEQ) if ROTARY else None
 for _ in range(2):
-    options = PrepareOptions(smooth_k=True, repair_ratio=0.005)
-    prepared = prep_ops.prepare(q, k, v, options, rotary=tables if ROTARY else None)
+    prepared = prep_ops.prepare(q, k, v, OPTIONS, rotary=rotary)
 torch.cuda.synchronize()
 print("ran", prepared.d_v.sum().item())
