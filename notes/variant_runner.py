@@ -8,13 +8,14 @@ A probe module names its variants in ``VARIANTS`` and compiles one with ``compil
 import argparse
 import importlib
 import os
+import statistics
 import subprocess
 import sys
 
 SHAPES = ((32_760, 12), (75_600, 40))
 TAU = 128**-0.5
-ROUNDS = 3
-"""Timing rounds, the variants in turn (every other round in reverse order)."""
+TIMED_MS = 20_000
+"""The timed calls' total, all variants together, at each shape."""
 CHECKED_ROWS = 256
 """Query rows whose output is compared with float64 attention."""
 
@@ -50,12 +51,16 @@ def dump_sass(folder: str, probe: str) -> None:
 
 def run(probe: str) -> None:
     """Every variant of module ``probe`` on the same prepared N(0, 1) inputs: whether its output is finite, its
-    distance from the first variant's, its error against float64 on ``CHECKED_ROWS`` rows; then ``ROUNDS`` rounds of
-    timings (triton's do_bench, medians; two input sets alternated; each launch includes zeroing its counters)."""
+    distance from the first variant's, its error against float64 on ``CHECKED_ROWS`` rows; then the variants timed
+    interleaved (``bench_attention.time_interleaved``, back to back, about ``TIMED_MS`` in all; two input sets
+    alternated; each launch includes zeroing its counters): each one's median, and the median over rounds of its
+    time over the first variant's in the same round, so that the SM clock's drift weighs on all alike."""
     import torch
-    from triton.testing import do_bench
 
     from openvc_kernels.ops import forward_args, prepare
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    from bench_attention import median_over, time_interleaved
 
     module = importlib.import_module(probe)
     print(torch.cuda.get_device_name(), flush=True)
@@ -82,13 +87,13 @@ def run(probe: str) -> None:
             error = ((out[:, rows].double() - exact).norm() / exact.norm()).item()
             print(f"{seq}x{heads} {name:>24}: finite {bool(out.isfinite().all())}, rel-L2 vs {first} {apart:.2e}, "
                   f"vs float64 {error:.4%}", flush=True)
-        for rnd in range(ROUNDS):
-            for name, kernel in (kernels.items() if rnd % 2 == 0 else reversed(kernels.items())):
-                turn = iter(range(10**9))
-                call = lambda kernel=kernel, turn=turn, sets=sets: launch(kernel, sets[next(turn) % 2])  # noqa: E731
-                ms = do_bench(call, warmup=100, rep=600, return_mode="median")
-                print(f"{seq}x{heads} round {rnd} {name:>24}: {ms:8.2f} ms {flop / ms / 1e9:7.0f} TFLOP/s",
-                      flush=True)
+        # The calls take the input set's index (time_interleaved passes it): set i % 2 in round i.
+        calls = [lambda i, kernel=kernel, sets=sets: launch(kernel, sets[i]) for kernel in kernels.values()]
+        times = time_interleaved(calls, [[0], [1]], "back_to_back", TIMED_MS)
+        for name, own in zip(kernels, times):
+            ms = statistics.median(own)
+            print(f"{seq}x{heads} {name:>24}: {ms:8.3f} ms {flop / ms / 1e9:7.0f} TFLOP/s, "
+                  f"{100 * median_over(own, times[0]):+6.2f}% over {first} ({len(own)} rounds)", flush=True)
         del inputs, sets, outs
         torch.cuda.empty_cache()
 
