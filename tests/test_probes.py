@@ -16,7 +16,7 @@ NOTES = Path(__file__).parents[1] / "notes"
 @pytest.mark.parametrize(
     "probe",
     ["probe_stages", "probe_encode", "probe_repair_tiles", "probe_prep_occupancy", "probe_code_check", "probe_anchor",
-     "probe_promote", "probe_pack_stores"],
+     "probe_promote", "probe_pack_stores", "probe_epilogue"],
 )
 def test_every_variant_compiles(probe):
     script = f"import {probe} as p\nfor name in p.VARIANTS:\n    print(name, flush=True)\n    p.compile_variant(name)"
