@@ -140,3 +140,15 @@ def test_sass_checks_the_packed_codes(sass):
     assert 2 * fused + pairs == SCORES_PER_THREAD // 2 - 1 + 2, (fused, pairs)
     # The rare path's own vote: whether a code passed FP16's whole numbers (then the FP32 maxima, warp-wide).
     assert count("VOTE.ANY") == 2
+
+
+def test_sass_stores_the_output_16_bytes_at_a_time(sass):
+    """``epilogue.store_rows``: per thread two rows of 128 bf16 outputs as 8 sixteen-byte stores, after 4 shuffles per
+    store (the quad's transpose), in each of the two stores (a whole unit's, a split unit's merge); no 4-byte output
+    stores: those left are a piece's two anchors (``pieces.write``, whose sums go out as 8-byte pairs) and, in the lse
+    variant, each store's two rows of the lse."""
+    ops = _opcodes(sass)
+    assert ops["STG.E.128"] == 2 * 8
+    assert ops["SHFL.BFLY"] >= 2 * 8 * 4
+    lse_rows = 2 * 2 if "MUFU.LG2" in ops else 0
+    assert ops["STG.E"] == 2 + lse_rows

@@ -41,7 +41,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..quant import BLOCK
 from ..support import HEAD_DIM
-from . import pieces, softmax
+from . import epilogue, pieces, softmax
 from .ptx import mul_rn
 from .barriers import NamedBarrier
 from .config import ForwardConfig
@@ -629,22 +629,9 @@ class ExpCastAttentionSm90:
         anchor: cute.Tensor,
         lse: cute.Tensor | None,
     ):
-        """``O = fp32(acc * fp32(d_v / l))`` -> bf16 rows < S; l is accumulator column 128 (ones rows). Where given,
-        ``lse`` (S,) receives each row's ``softmax.row_lse(l, anchor)``, ``anchor`` the rows' final grid; plus
-        ``d_v - d_v``, NaN for a head with a non-finite input as its output (``quant.poison_non_finite``)."""
-        rows = softmax.rows_view(acc_o)
+        """The query tile's output rows, and ``lse`` where given: ``epilogue.store_rows``."""
         coords = softmax.rows_view(thr_pv.partition_C(cute.make_identity_tensor((TILE_M, PV_N))))
-        l_column = cute.size(rows, mode=[1]) - 2  # (e = 0, last column group): column 128 + 2 lane
-        seqlen_q = out.shape[0]
-        for r in cutlass.range_constexpr(2):
-            scale = d_v / rows[r, l_column]
-            row = m_block * TILE_M + coords[r, 0][0]
-            if row < seqlen_q:
-                for i in cutlass.range_constexpr(l_column):
-                    out[row, coords[r, i][1]] = (rows[r, i] * scale).to(cutlass.BFloat16)
-                if const_expr(lse is not None):
-                    if coords[r, 0][1] == 0:  # a quad's four lanes hold the row: its first writes
-                        lse[row] = softmax.row_lse(rows[r, l_column], anchor[r]) + (d_v - d_v)
+        epilogue.store_rows(acc_o, coords, d_v, out, m_block * TILE_M, anchor, lse)
 
 
 ForwardArgs = NamedTuple(
