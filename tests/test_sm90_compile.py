@@ -143,10 +143,10 @@ def test_sass_checks_the_packed_codes(sass):
 
 
 def test_sass_stores_the_output_16_bytes_at_a_time(sass):
-    """``epilogue.store_rows``: per thread two rows of 128 bf16 outputs as 8 sixteen-byte stores, after 4 shuffles per
-    store (the quad's transpose), in each of the two stores (a whole unit's, a split unit's merge); no 4-byte output
-    stores: those left are a piece's two anchors (``pieces.write``, whose sums go out as 8-byte pairs) and, in the lse
-    variant, each store's two rows of the lse."""
+    """``epilogue.store_rows``: a thread's 64 bf16 outputs (two rows) as 8 sixteen-byte stores, after 4 shuffles per
+    store (the quad's transpose), in each of the kernel's two stores (a whole unit's, a split unit's merge); no 4-byte
+    output stores: those left are a piece's two anchors (``pieces.write``, whose sums go out as 8-byte pairs) and, in
+    the lse variant, each store's two rows of the lse."""
     ops = _opcodes(sass)
     assert ops["STG.E.128"] == 2 * 8
     assert ops["SHFL.BFLY"] >= 2 * 8 * 4
