@@ -22,3 +22,19 @@ def poisoned_prepared(prepared):
     for t in prepared[:-1]:
         t.view(torch.uint8).fill_(POISON)
     return prepared
+
+
+PTXAS_REMARKS = {"CUTE_DSL_COMPILER_OPT": "remarks{ptx}"}
+"""Environment for a compile whose ptxas reports each kernel's registers and spills on stderr."""
+
+
+def ptxas_spills(stderr: str) -> list[tuple[str, int, int]]:
+    """Per kernel ptxas compiled, in order: its entry function's name (truncated by the DSL, so not always unique) and
+    its spill stores and loads in bytes, from the report a compile with ``PTXAS_REMARKS`` writes to stderr. Spills
+    exist only in SASS: PTX has no spill code."""
+    import re
+
+    report = re.findall(
+        r"Compiling entry function '([^']+)'.*?(\d+) bytes spill stores, (\d+) bytes spill loads", stderr, re.S
+    )
+    return [(name, int(stores), int(loads)) for name, stores, loads in report]

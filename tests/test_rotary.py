@@ -17,7 +17,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoRotaryPosEmbed
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
-from helpers import needs_hopper, poisoned_prepared
+from helpers import PTXAS_REMARKS, needs_hopper, poisoned_prepared, ptxas_spills
 
 import openvc_diffusers
 from openvc_diffusers import backend
@@ -131,12 +131,18 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def rotary_ptx(tmp_path_factory) -> dict:
-    """``RotaryQK`` compiled for sm_90a in a fresh process (no GPU needed): its PTX opcode counts per dtype."""
+    """``RotaryQK`` compiled for sm_90a in a fresh process (no GPU needed): its PTX opcode counts per dtype, and
+    ptxas's spills (``helpers.ptxas_spills``) under "spills"."""
     dump = tmp_path_factory.mktemp("rotary_ptx")
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump), **PTXAS_REMARKS)
     done = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "spills": ptxas_spills(done.stderr)}
+
+
+def test_kernel_spills_no_registers(rotary_ptx):
+    """ptxas's own spills, which the PTX's ld.local / st.local counts cannot see: none, for either dtype."""
+    assert [report[1:] for report in rotary_ptx["spills"]] == [(0, 0), (0, 0)]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

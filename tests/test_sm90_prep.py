@@ -13,7 +13,7 @@ import types
 
 import pytest
 import torch
-from helpers import POISON, poisoned_prepared
+from helpers import POISON, PTXAS_REMARKS, poisoned_prepared, ptxas_spills
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from openvc_kernels.preparation import Prepared, PrepareOptions, prepare_reference, write_repair_rows
@@ -163,11 +163,23 @@ print(json.dumps(out))
 def ptx_ops(tmp_path_factory) -> dict:
     """Compile every preparation kernel for sm_90a in a fresh process (no GPU needed); PTX opcode counts."""
     dump = tmp_path_factory.mktemp("prep_ptx")
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump), **PTXAS_REMARKS)
     script = f"prep_variants = {VARIANTS!r}\n" + _PTX_SCRIPT
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    return {**compiled, SPILLS: ptxas_spills(done.stderr)}
+
+
+SPILLS = "ptxas spills"
+"""``ptx_ops``' entry with every compiled kernel's spills (``helpers.ptxas_spills``), beside the variants' PTX."""
+
+
+def test_no_kernel_spills_registers(ptx_ops):
+    """What the PTX's ld.local / st.local counts cannot see: ptxas's own spills, in every preparation kernel."""
+    spills = ptx_ops[SPILLS]
+    assert len(spills) == len(VARIANTS), [name for name, _, _ in spills]
+    assert [report for report in spills if report[1:] != (0, 0)] == []
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
