@@ -8,7 +8,7 @@ import openvc_kernels
 
 KERNELS = Path(openvc_kernels.__file__).parent
 REFERENCE_SOURCES = ("reference.py", "expcast.py", "split.py", "wgmma.py")
-KERNEL_SOURCES = ("sm90/fwd.py", "sm90/softmax.py", "sm90/pieces.py", "ops.py")
+KERNEL_SOURCES = ("sm90/fwd.py", "sm90/softmax.py", "sm90/pieces.py", "sm90/epilogue.py", "ops.py")
 ROW = re.compile(r"^    (\S[^|]*) \| ([^|]+) \| ")
 
 
