@@ -1,5 +1,7 @@
 """Helpers the tests share (fixtures stay in conftest.py)."""
 
+import re
+
 import pytest
 import torch
 
@@ -32,8 +34,6 @@ def ptxas_spills(stderr: str) -> list[tuple[str, int, int]]:
     """Per kernel ptxas compiled, in order: its entry function's name (truncated by the DSL, so not always unique) and
     its spill stores and loads in bytes, from the report a compile with ``PTXAS_REMARKS`` writes to stderr. Spills
     exist only in SASS: PTX has no spill code."""
-    import re
-
     report = re.findall(
         r"Compiling entry function '([^']+)'.*?(\d+) bytes spill stores, (\d+) bytes spill loads", stderr, re.S
     )
